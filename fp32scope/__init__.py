@@ -1,0 +1,28 @@
+"""fp32scope: scoped, exact, thread-safe float32 matmul/cuDNN precision for PyTorch nodes.
+
+An engine sets a process default once (:func:`set_process_default`); a node that needs
+another precision declares it (:func:`node_fp32_precision`), and the engine runs every call
+of that node inside :func:`fp32_precision_scope`, usually through
+:func:`with_fp32_precision` or :class:`Fp32ScopedModule` around the ``torch.compile``'d
+callable.
+"""
+
+from __future__ import annotations
+
+from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
+from fp32scope._node import node_fp32_precision
+from fp32scope._precision import Fp32Precision
+from fp32scope._process import current_fp32_precision, set_process_default
+from fp32scope._scope import fp32_precision_scope
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Fp32FlagsChangedWarning",
+    "Fp32Precision",
+    "Fp32ScopeError",
+    "current_fp32_precision",
+    "fp32_precision_scope",
+    "node_fp32_precision",
+    "set_process_default",
+]

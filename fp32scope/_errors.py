@@ -1,0 +1,22 @@
+"""Exceptions and warnings raised by fp32scope."""
+
+from __future__ import annotations
+
+__all__ = ["Fp32FlagsChangedWarning", "Fp32ScopeError"]
+
+
+class Fp32ScopeError(RuntimeError):
+    """A float32-precision scope cannot be entered or a default cannot be set now.
+
+    Raised when a scope would change the process-wide flags inside a region that
+    ``torch.compile`` is tracing, while another thread is inside a scope, or when
+    :func:`~fp32scope.set_process_default` is called while any scope is active.
+    """
+
+
+class Fp32FlagsChangedWarning(RuntimeWarning):
+    """The code inside a scope changed the float32-precision flags the scope applied.
+
+    The scope restores the state it saved on entry regardless; this warning names the
+    flags that the block changed so that the code responsible can be found.
+    """

@@ -1,0 +1,78 @@
+"""Process-wide default precision, and reading the process state as an ``Fp32Precision``."""
+
+from __future__ import annotations
+
+import torch
+
+from fp32scope import _flags
+from fp32scope._precision import Fp32Precision, MatmulPrecision
+from fp32scope._scope import active_scope_thread, conflict_error, split
+
+__all__ = ["current_fp32_precision", "set_process_default"]
+
+
+def set_process_default(precision: Fp32Precision | None) -> None:
+    """Set the process-wide float32 precision, consistently in torch's legacy and new APIs.
+
+    Typically called once at start-up, e.g. ``set_process_default(Fp32Precision("high",
+    True))``; scopes then change it around the nodes that declare their own. A field that
+    is None is left as it is. Afterwards the legacy and new readings of each set flag agree
+    (``torch.backends.cudnn.allow_tf32 = False`` alone can leave cuDNN resolving to TF32
+    under a TF32 parent slot; this writes the conv and rnn slots explicitly).
+
+    Raises :class:`~fp32scope.Fp32ScopeError` while any scope is active on any thread: the
+    new default would replace a node's precision in the middle of its forward, and that
+    scope's exit would then undo the default. Invalid input raises before anything changes.
+    """
+    fields = split(precision)
+    owner = active_scope_thread()
+    if owner is not None:
+        raise conflict_error("Cannot call set_process_default", owner)
+    if fields is None:
+        return
+    t, b = fields
+    if t is not None:
+        torch._C._set_float32_matmul_precision(t)
+    if b is not None:
+        _flags.save_apply_cudnn(b, pin_matmul=True)
+
+
+def _effective_matmul(cuda: str, mkldnn: str) -> MatmulPrecision:
+    # The least precise setting any backend uses: "highest" only when none reduces.
+    if mkldnn == "bf16":
+        return "medium"
+    if cuda == "tf32" or mkldnn == "tf32":
+        return "high"
+    return "highest"
+
+
+def current_fp32_precision() -> Fp32Precision:
+    """The process's float32 precision as an ``Fp32Precision``; never raises.
+
+    In a consistent state (no legacy getter raises) it is what
+    ``torch.get_float32_matmul_precision()`` and ``torch.backends.cudnn.allow_tf32`` say.
+    In a mixed state, where the legacy and new APIs disagree and no single value describes
+    the process, each field reports the least precise setting any backend is using, from the
+    new API's readings: ``matmul`` is ``"medium"`` if oneDNN matmuls use bf16, else
+    ``"high"`` if cuBLAS or oneDNN matmuls use TF32, else ``"highest"``; ``cudnn_allow_tf32``
+    is True if cuDNN convolutions or RNNs use TF32. ``python -m fp32scope doctor`` shows the
+    readings behind it and how to make the state consistent.
+    """
+    readings = _flags.read_all()
+    legacy_matmul = readings[_flags.LEGACY_MATMUL]
+    cublas = readings[_flags.LEGACY_CUBLAS]
+    matmul: MatmulPrecision
+    if legacy_matmul != _flags.RAISES and cublas != _flags.RAISES:
+        matmul = legacy_matmul  # type: ignore[assignment]
+    else:
+        matmul = _effective_matmul(
+            str(readings[_flags.SLOT_NAMES["cuda", "matmul"]]),
+            str(readings[_flags.SLOT_NAMES["mkldnn", "matmul"]]),
+        )
+    cudnn = readings[_flags.LEGACY_CUDNN]
+    if cudnn == _flags.RAISES:
+        cudnn = "tf32" in (
+            readings[_flags.SLOT_NAMES["cuda", "conv"]],
+            readings[_flags.SLOT_NAMES["cuda", "rnn"]],
+        )
+    return Fp32Precision(matmul, bool(cudnn))
