@@ -9,20 +9,28 @@ callable.
 
 from __future__ import annotations
 
+from fp32scope._cuda_graphs import CapturedCudaGraph, capture_cuda_graph
+from fp32scope._decorator import with_fp32_precision
 from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
 from fp32scope._node import node_fp32_precision
 from fp32scope._precision import Fp32Precision
 from fp32scope._process import current_fp32_precision, set_process_default
+from fp32scope._proxy import Fp32ScopedModule, precision_of
 from fp32scope._scope import fp32_precision_scope
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CapturedCudaGraph",
     "Fp32FlagsChangedWarning",
     "Fp32Precision",
     "Fp32ScopeError",
+    "Fp32ScopedModule",
+    "capture_cuda_graph",
     "current_fp32_precision",
     "fp32_precision_scope",
     "node_fp32_precision",
+    "precision_of",
     "set_process_default",
+    "with_fp32_precision",
 ]

@@ -9,7 +9,7 @@ from typing import Final, Union
 
 import torch
 
-from fp32scope import _flags
+from fp32scope import _dynamo_exclude, _flags
 from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
 from fp32scope._precision import MATMUL_PRECISIONS, Fp32Precision, check_precision
 
@@ -245,3 +245,10 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
 
     def __repr__(self) -> str:
         return f"fp32_precision_scope({self.precision!r})"
+
+
+_dynamo_exclude.exclude(enter, exit_, _release, _undo, graph_break=False)
+_dynamo_exclude.exclude(
+    *(fn for fn in vars(_flags).values() if callable(fn) and getattr(fn, "__module__", None) == _flags.__name__),
+    graph_break=False,
+)

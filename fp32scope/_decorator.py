@@ -1,0 +1,110 @@
+"""``with_fp32_precision``: a decorator that runs every call of a callable inside its scope."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from fp32scope import _dynamo_exclude
+from fp32scope._precision import Fp32Precision, check_precision
+from fp32scope._proxy import Fp32ScopedModule
+from fp32scope._scope import enter, exit_, split
+
+__all__ = ["with_fp32_precision"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _refuse_suspending(target: Callable[..., Any], name: str) -> None:
+    # The flags are process-wide: a scope held across a suspension point (await, yield)
+    # would leak its precision into whatever runs while the coroutine or generator waits,
+    # and restore at some unrelated later time.
+    unwrapped = inspect.unwrap(target)
+    kinds = (
+        (inspect.iscoroutinefunction, "a coroutine function"),
+        (inspect.isasyncgenfunction, "an async generator function"),
+        (inspect.isgeneratorfunction, "a generator function"),
+    )
+    for test, kind in kinds:
+        if test(target) or test(unwrapped):
+            msg = (
+                f"with_fp32_precision cannot wrap {name!r}: it is {kind}. The float32 precision flags "
+                "are process-wide, so a scope held across an await or yield would apply to whatever "
+                "else runs while it is suspended. Scope the synchronous calls inside it instead "
+                "(with fp32_precision_scope(...): around each model call)."
+            )
+            raise TypeError(msg)
+
+
+def with_fp32_precision(precision: Fp32Precision | None, *, name: str | None = None) -> Callable[[F], F]:
+    """A decorator that runs every call of its target inside ``fp32_precision_scope(precision)``.
+
+    ``precision`` is checked now, so a bad one fails when the decorator is made, not at
+    the first call. With None, or both fields None, the decorator returns its target
+    unchanged. A ``torch.nn.Module`` (a ``torch.compile``'d one included) becomes an
+    :class:`~fp32scope.Fp32ScopedModule`. Any other callable (a function, a
+    ``torch.compile``'d function, a method in a class body, a callable object) becomes a
+    function that keeps ``__wrapped__``, ``__name__``, ``__qualname__``, ``__doc__`` and the
+    signature, and binds as a method. Coroutine, async generator and generator functions are
+    refused with :class:`TypeError`, as are non-callables. ``name`` (default: the target's
+    qualified name) appears in errors and warnings.
+
+    Apply it to the compiled callable, never inside it: Dynamo cannot trace a flag change.
+
+    >>> import torch
+    >>> @with_fp32_precision(Fp32Precision("highest"))
+    ... def head(x):
+    ...     return torch.get_float32_matmul_precision()
+    >>> torch.set_float32_matmul_precision("high")
+    >>> head(None), torch.get_float32_matmul_precision()
+    ('highest', 'high')
+    """
+    checked = check_precision(precision)
+    if name is not None and not isinstance(name, str):
+        msg = f"name must be a str or None; got {name!r} of type {type(name).__name__}."
+        raise TypeError(msg)
+    fields = split(checked)
+
+    def decorate(target: F) -> F:
+        if not callable(target):
+            msg = f"with_fp32_precision(...) must decorate a callable; got {target!r} of type {type(target).__name__}."
+            raise TypeError(msg)
+        label = name if name is not None else getattr(target, "__qualname__", type(target).__qualname__)
+        _refuse_suspending(target, label)
+        if fields is None:
+            return target
+        if isinstance(target, torch.nn.Module):
+            return Fp32ScopedModule(target, checked, name=label)  # type: ignore[return-value]
+        _dynamo_exclude.ensure()
+        return _scoped_function(target, fields, checked)  # type: ignore[return-value]
+
+    return decorate
+
+
+def _scoped_function(
+    target: Callable[..., Any],
+    fields: tuple[str | None, bool | None],
+    precision: Fp32Precision | None,
+) -> Callable[..., Any]:
+    def scoped(*args: Any, **kwargs: Any) -> Any:
+        token = enter(*fields)
+        try:
+            return target(*args, **kwargs)
+        finally:
+            exit_(token, stacklevel=2)
+
+    try:
+        functools.update_wrapper(scoped, target)
+    except AttributeError:  # pragma: no cover  (objects without __dict__ on a callable)
+        scoped.__wrapped__ = target  # type: ignore[attr-defined]
+    _dynamo_exclude.mark_function(scoped)
+    scoped.__fp32scope_precision__ = precision  # type: ignore[attr-defined]
+    return scoped
+
+
+# Every closure made by _scoped_function shares one code object: skip it once.
+_dynamo_exclude.exclude(_scoped_function(print, ("highest", None), None), graph_break=False)

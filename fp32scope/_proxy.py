@@ -1,0 +1,193 @@
+"""``Fp32ScopedModule``: a transparent proxy that runs every call of a module inside its scope."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import wrapt
+
+from fp32scope import _dynamo_exclude
+from fp32scope._precision import Fp32Precision, check_precision
+from fp32scope._scope import enter, exit_, split
+
+__all__ = ["SELF_RETURNING_METHODS", "Fp32ScopedModule", "precision_of"]
+
+
+def _self_returning_methods() -> tuple[str, ...]:
+    # torch annotates the methods that return the module itself with ``Self``; ``to`` is
+    # overloaded and carries no annotation on its implementation. Reading the annotations
+    # keeps the list right for the installed torch (xpu, mtia, ... come and go).
+    names = {"to"}
+    for name, member in vars(torch.nn.Module).items():
+        annotations = getattr(member, "__annotations__", None)
+        if name.startswith("_") or not annotations or "return" not in annotations:
+            continue
+        # typing.Self, typing_extensions.Self, a bound TypeVar ~T, or their string forms.
+        returned = str(annotations["return"]).rsplit(".", 1)[-1].lstrip("~")
+        if returned in {"Self", "T"}:
+            names.add(name)
+    return tuple(sorted(names))
+
+
+#: The ``torch.nn.Module`` methods that return the module itself; on a proxy they return the proxy.
+SELF_RETURNING_METHODS: tuple[str, ...] = _self_returning_methods()
+
+
+def _rebuild(module: torch.nn.Module, precision: Fp32Precision | None, name: str) -> Fp32ScopedModule:
+    return Fp32ScopedModule(module, precision, name=name)
+
+
+def _default_name(module: object) -> str:
+    inner = getattr(module, "_orig_mod", module)
+    return type(inner).__qualname__
+
+
+class Fp32ScopedModule(wrapt.BaseObjectProxy):  # type: ignore[misc]  # wrapt ships no type hints
+    """A ``torch.nn.Module`` (typically ``torch.compile``'d) whose every call runs in a scope.
+
+    The proxy is transparent: ``isinstance`` against the wrapped module's classes holds,
+    attribute reads, writes and deletes reach the wrapped module, and ``state_dict``,
+    ``load_state_dict``, ``parameters``, hooks and buffers are the wrapped module's. Calling
+    the proxy, or its ``forward``, runs the call inside
+    :class:`~fp32scope.fp32_precision_scope` with ``precision``; this covers the first
+    (compiling) call, warmup, and CUDA graph capture. Methods that return the module itself
+    (``to``, ``eval``, ``cuda``, ...; see ``SELF_RETURNING_METHODS``) return the proxy, so
+    ``model = scoped.to(device).eval()`` keeps the precision. ``copy.copy``,
+    ``copy.deepcopy`` and pickling keep the proxy around a copy of the module.
+
+    The proxy's call is excluded from Dynamo's tracing: used as a child of a module that is
+    compiled as a whole, the parent graph-breaks at the child, the child runs inside its
+    scope (and, if it is not compiled itself, is compiled as a graph of its own, inside the
+    scope), and the rest of the parent runs under the process default.
+
+    ``precision`` is checked here; None or an all-None precision makes a proxy that adds
+    no scope. ``name`` (default: the wrapped module's class name) appears in errors and
+    warnings. Read the precision back with :func:`precision_of`; the bare module is
+    ``__wrapped__``.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        precision: Fp32Precision | None,
+        *,
+        name: str | None = None,
+    ) -> None:
+        if not isinstance(module, torch.nn.Module):
+            msg = (
+                f"module must be a torch.nn.Module (a torch.compile'd one included); got {module!r} "
+                f"of type {type(module).__name__}. Wrap other callables with with_fp32_precision."
+            )
+            raise TypeError(msg)
+        checked = check_precision(precision)
+        if name is not None and not isinstance(name, str):
+            msg = f"name must be a str or None; got {name!r} of type {type(name).__name__}."
+            raise TypeError(msg)
+        _dynamo_exclude.ensure()
+        super().__init__(module)
+        self._self_precision = checked
+        self._self_fields = split(checked)
+        self._self_name = name if name is not None else _default_name(module)
+
+    # wrapt's own __call__ would take ``self`` out of *args the same way: a keyword
+    # argument named "self" must still reach the module.
+    def __call__(*args: Any, **kwargs: Any) -> Any:
+        self, *args = args  # type: ignore[assignment]
+        fields = self._self_fields
+        if fields is None:
+            return self.__wrapped__(*args, **kwargs)
+        token = enter(*fields)
+        try:
+            return self.__wrapped__(*args, **kwargs)
+        finally:
+            exit_(token, stacklevel=2)
+
+    @property
+    def forward(self) -> Callable[..., Any]:
+        """The wrapped module's ``forward``, run inside the scope."""
+        fields = self._self_fields
+        forward: Callable[..., Any] = self.__wrapped__.forward
+        if fields is None:
+            return forward
+        return _scoped_forward(forward, fields)
+
+    @forward.setter
+    def forward(self, value: Callable[..., Any]) -> None:
+        # Assignments such as torch.cuda.make_graphed_callables' ``module.forward = graphed``
+        # must land on the wrapped module, whose __call__ the proxy's __call__ runs;
+        # otherwise calls would keep running the eager forward, silently.
+        self.__wrapped__.forward = value
+
+    @forward.deleter
+    def forward(self) -> None:
+        del self.__wrapped__.forward
+
+    def __repr__(self) -> str:
+        return (
+            f"Fp32ScopedModule(precision={self._self_precision!r}, name={self._self_name!r},\n"
+            f"  module={self.__wrapped__!r})"
+        )
+
+    def __copy__(self) -> Fp32ScopedModule:
+        return _rebuild(copy.copy(self.__wrapped__), self._self_precision, self._self_name)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Fp32ScopedModule:
+        return _rebuild(copy.deepcopy(self.__wrapped__, memo), self._self_precision, self._self_name)
+
+    def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
+        return (_rebuild, (self.__wrapped__, self._self_precision, self._self_name))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.__reduce_ex__(2)
+
+
+def _make_self_returning(name: str) -> Callable[..., Any]:
+    def method(self: Fp32ScopedModule, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self.__wrapped__, name)(*args, **kwargs)
+        return self if result is self.__wrapped__ else result
+
+    original = getattr(torch.nn.Module, name)
+    method.__name__ = name
+    method.__qualname__ = f"Fp32ScopedModule.{name}"
+    method.__doc__ = f"``{name}`` of the wrapped module; returns the proxy where torch returns the module."
+    method.__wrapped__ = original  # type: ignore[attr-defined]  # so inspect.signature shows torch's
+    return method
+
+
+for _name in SELF_RETURNING_METHODS:
+    setattr(Fp32ScopedModule, _name, _make_self_returning(_name))
+del _name
+
+
+def _scoped_forward(forward: Callable[..., Any], fields: tuple[str | None, bool | None]) -> Callable[..., Any]:
+    def scoped_forward(*args: Any, **kwargs: Any) -> Any:
+        token = enter(*fields)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            exit_(token, stacklevel=2)
+
+    _dynamo_exclude.mark_function(scoped_forward)
+    scoped_forward.__wrapped__ = forward  # type: ignore[attr-defined]
+    return scoped_forward
+
+
+_dynamo_exclude.exclude(Fp32ScopedModule.__call__)
+_dynamo_exclude.exclude(_scoped_forward(print, ("highest", None)), graph_break=False)
+
+
+def precision_of(obj: object) -> Fp32Precision | None:
+    """The precision a wrapper from this library applies to ``obj``'s calls, or None.
+
+    ``obj`` is an :class:`Fp32ScopedModule` or a callable returned by
+    :func:`~fp32scope.with_fp32_precision`; anything else (a bare module, a plain function)
+    gives None. The bare callable of either is ``obj.__wrapped__``.
+    """
+    if isinstance(obj, Fp32ScopedModule):
+        precision: Fp32Precision | None = obj._self_precision
+        return precision
+    found = getattr(obj, "__fp32scope_precision__", None)
+    return found if isinstance(found, Fp32Precision) else None
