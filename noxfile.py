@@ -9,6 +9,7 @@ FP32SCOPE_TORCH names another version, which becomes the session's ``torch`` par
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import nox
 
@@ -81,6 +82,5 @@ def demo(session: nox.Session, torch: str) -> None:
 def examples(session: nox.Session, torch: str) -> None:
     """Run every script in examples/ as a user would."""
     install(session, torch, "test")
-    for script in sorted(os.listdir("examples")):
-        if script.endswith(".py"):
-            session.run("python", os.path.join("examples", script))  # noqa: PTH118
+    for script in sorted(Path("examples").glob("*.py")):
+        session.run("python", str(script))

@@ -39,7 +39,7 @@ class CapturedCudaGraph:
         if len(args) != len(self.static_inputs):
             msg = f"expected {len(self.static_inputs)} input tensors, as captured; got {len(args)}."
             raise TypeError(msg)
-        for static, arg in zip(self.static_inputs, args):
+        for static, arg in zip(self.static_inputs, args, strict=True):
             static.copy_(arg)
         self.graph.replay()
         return self.static_output
@@ -86,7 +86,7 @@ def capture_cuda_graph(
     if checked is None:
         checked = precision_of(fn)
     scope = fp32_precision_scope(checked)
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side), scope:
         for _ in range(warmup):

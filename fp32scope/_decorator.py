@@ -12,7 +12,7 @@ import torch
 from fp32scope import _dynamo_exclude
 from fp32scope._precision import Fp32Precision, check_precision
 from fp32scope._proxy import Fp32ScopedModule
-from fp32scope._scope import enter, exit_, split
+from fp32scope._scope import fp32_precision_scope, split, wrapper_scope
 
 __all__ = ["with_fp32_precision"]
 
@@ -80,22 +80,19 @@ def with_fp32_precision(precision: Fp32Precision | None, *, name: str | None = N
         if isinstance(target, torch.nn.Module):
             return Fp32ScopedModule(target, checked, name=label)  # type: ignore[return-value]
         _dynamo_exclude.ensure()
-        return _scoped_function(target, fields, checked)  # type: ignore[return-value]
+        return _scoped_function(target, wrapper_scope(checked, label), checked)  # type: ignore[return-value]
 
     return decorate
 
 
 def _scoped_function(
     target: Callable[..., Any],
-    fields: tuple[str | None, bool | None],
+    scope: fp32_precision_scope,
     precision: Fp32Precision | None,
 ) -> Callable[..., Any]:
     def scoped(*args: Any, **kwargs: Any) -> Any:
-        token = enter(*fields)
-        try:
+        with scope:
             return target(*args, **kwargs)
-        finally:
-            exit_(token, stacklevel=2)
 
     try:
         functools.update_wrapper(scoped, target)
@@ -107,4 +104,4 @@ def _scoped_function(
 
 
 # Every closure made by _scoped_function shares one code object: skip it once.
-_dynamo_exclude.exclude(_scoped_function(print, ("highest", None), None), graph_break=False)
+_dynamo_exclude.exclude(_scoped_function(print, fp32_precision_scope(None), None), graph_break=False)

@@ -21,7 +21,7 @@ getters and setters bound to module globals, no allocation beyond small tuples.
 
 from __future__ import annotations
 
-from typing import Final, Union
+from typing import Final
 
 import torch
 
@@ -30,7 +30,10 @@ __all__ = [
     "RAISES",
     "FlagReadings",
     "RawState",
+    "Token",
+    "apply",
     "read_all",
+    "restore",
     "restore_raw_state",
     "save_raw_state",
 ]
@@ -39,18 +42,21 @@ _C = torch._C
 
 #: True when torch has the per-backend ``fp32_precision`` API (torch >= 2.9). Detected by
 #: presence, not by version, so that backports and nightlies are handled as they are.
-HAS_NEW_API: Final[bool] = hasattr(_C, "_get_fp32_precision_getter") and hasattr(
-    _C, "_set_fp32_precision_setter"
-)
+HAS_NEW_API: Final[bool] = hasattr(_C, "_get_fp32_precision_getter") and hasattr(_C, "_set_fp32_precision_setter")
 
 #: The value a reading takes in :func:`read_all` when torch's getter raises (mixed state).
 RAISES: Final[str] = "<raises: mixed legacy/new API state>"
 
-FlagReadings = dict[str, Union[str, bool]]
+FlagReadings = dict[str, str | bool]
 #: (E, B, the nine raw slots in ``SLOTS`` order; empty before torch 2.9).
 RawState = tuple[str, bool, tuple[str, ...]]
+#: (E, cuda/matmul raw, mkldnn/matmul raw).
+MatmulSaved = tuple[str, str, str]
 #: (B, conv raw, rnn raw, cuda/all raw if moved, cuda/matmul raw if pinned).
-CudnnSaved = tuple[bool, str, str, Union[str, None], Union[str, None]]
+CudnnSaved = tuple[bool, str, str, str | None, str | None]
+#: (matmul, cudnn, matmul saved, cudnn saved): what apply returns and restore takes. A saved
+#: part is None where nothing was written; for a held cudnn=False it is cuda/all's reading.
+Token = tuple[str | None, bool | None, MatmulSaved | None, CudnnSaved | str | None]
 
 _GM = _C._get_float32_matmul_precision
 _SM = _C._set_float32_matmul_precision
@@ -90,6 +96,27 @@ def _try(getter: object) -> str | bool:
         return getter()  # type: ignore[operator, no-any-return]
     except RuntimeError:
         return RAISES
+
+
+MATMUL_READINGS: Final = (
+    LEGACY_MATMUL,
+    LEGACY_CUBLAS,
+    "torch.backends.cuda.matmul.fp32_precision",
+    "torch.backends.mkldnn.matmul.fp32_precision",
+)
+CUDNN_READINGS: Final = (
+    LEGACY_CUDNN,
+    "torch.backends.cudnn.conv.fp32_precision",
+    "torch.backends.cudnn.rnn.fp32_precision",
+    "torch.backends.cudnn.fp32_precision",
+)
+
+
+def describe(field: str, applied: object, names: tuple[str, ...]) -> str:
+    """Say what ``names`` read now, for a scope that had applied ``applied`` to ``field``."""
+    readings = read_all()
+    found = ", ".join(f"{n} = {readings[n]!r}" for n in names if n in readings)
+    return f"{field} applied as {applied!r}, found {found}"
 
 
 if HAS_NEW_API:
@@ -134,14 +161,14 @@ if HAS_NEW_API:
     def legacy_matmul(cuda_raw: str, mkldnn_raw: str) -> str:
         """The legacy enum E, also where torch's getter raises (given both slots' raw values)."""
         try:
-            return _GM()  # type: ignore[no-any-return]
+            return _GM()
         except RuntimeError:
             pass
         # With both matmul slots at "ieee" no consistency check can fail, so the getter shows E.
         _S("cuda", "matmul", "ieee")
         _S("mkldnn", "matmul", "ieee")
         try:
-            return _GM()  # type: ignore[no-any-return]
+            return _GM()
         finally:
             _S("cuda", "matmul", cuda_raw)
             _S("mkldnn", "matmul", mkldnn_raw)
@@ -149,7 +176,7 @@ if HAS_NEW_API:
     def legacy_cudnn(conv: str, rnn: str, conv_raw: str, rnn_raw: str) -> bool:
         """The legacy cuDNN bool B, also where torch's getter raises."""
         try:
-            return _GB()  # type: ignore[no-any-return]
+            return _GB()
         except RuntimeError:
             pass
         conv_tf32 = conv == "tf32"
@@ -170,103 +197,158 @@ if HAS_NEW_API:
             _S("cuda", "rnn", rnn_raw)
 
     # -- matmul field ---------------------------------------------------------------------
+    # The hot path: each function reads every value once, probes only where the readings
+    # leave a raw value open, and writes only what differs.
 
-    def matmul_holds(target: str) -> bool:
-        """Whether every matmul reading already is what applying ``target`` would give."""
+    def _matmul_held(target: str) -> bool:
+        # torch's own view: the legacy getter says ``target`` and neither legacy getter
+        # raises. For "highest" no raise already rules out TF32 and bf16 on both backends;
+        # for "high" and "medium" the cuBLAS getter answers without raising exactly when
+        # cuda/matmul reads tf32 (and is cheaper than the string getter).
         try:
-            if _GM() != target:
-                return False
+            return _GM() == target and (target == "highest" or _GBLAS() is True)
         except RuntimeError:
             return False
-        if target == "highest":
-            # No raise and "highest" imply neither matmul slot reads tf32 or bf16.
-            return True
-        return _G("cuda", "matmul") == "tf32" and _G("mkldnn", "matmul") == SM_WRITES_MKLDNN[target]
 
-    def save_matmul() -> tuple[str, str, str]:
-        """Exact state of what applying a matmul precision writes: (E, cuda raw, mkldnn raw)."""
-        cuda_raw = raw_op("cuda", "matmul")
-        mkldnn_raw = raw_op("mkldnn", "matmul")
-        return (legacy_matmul(cuda_raw, mkldnn_raw), cuda_raw, mkldnn_raw)
+    def apply(t: str | None, b: bool | None) -> Token:
+        """Apply the fields that are not None; returns the token :func:`restore` takes.
 
-    def restore_matmul(saved: tuple[str, str, str]) -> None:
-        """Write back what :func:`save_matmul` returned."""
-        e, cuda_raw, mkldnn_raw = saved
-        _SM(e)
-        if cuda_raw != SM_WRITES_CUDA[e]:
-            _S("cuda", "matmul", cuda_raw)
-        if mkldnn_raw != SM_WRITES_MKLDNN[e]:
-            _S("mkldnn", "matmul", mkldnn_raw)
+        A field that already holds is not written (and nothing of it is saved). "Holds" is
+        torch's own view: for the matmul field, ``get_float32_matmul_precision()`` returns
+        ``t`` and neither it nor the cuBLAS legacy getter raises (so cuBLAS TF32 is on
+        exactly for "high" and "medium"); for cuDNN, ``torch.backends.cudnn.allow_tf32``
+        reads ``b`` without raising (so conv and rnn agree with it) and, for False,
+        cudnn.fp32_precision does not read "tf32". Otherwise the exact raw state is saved
+        first: E, B and each written slot's raw value, read off the readings where they
+        decide it and probed where they do not.
 
-    # -- cudnn field ----------------------------------------------------------------------
-
-    def cudnn_holds(target: bool) -> bool:
-        """Whether every cuDNN reading already is what applying ``target`` would give."""
-        try:
-            if _GB() is not target:
-                return False
-        except RuntimeError:
-            return False
-        # No raise means conv and rnn both read tf32 iff target. For False, Inductor's
-        # Triton conv templates also look at cudnn.fp32_precision (cuda/all).
-        return target or _G("cuda", "all") != "tf32"
-
-    def save_apply_cudnn(target: bool, pin_matmul: bool) -> CudnnSaved:
-        """Save the exact cuDNN state, then apply ``target``; returns what to restore.
-
-        torch's legacy setter writes conv and rnn as "none" for False, which resolves to
-        tf32 under a tf32 parent; so False writes both explicitly as "ieee", and moves
-        cuda/all off "tf32" too, pinning cuda/matmul (when this scope does not set it) to
-        the value it read, so that the matmul precision is left as it is.
+        cuDNN: torch's legacy setter writes conv and rnn as "none" for False, which
+        resolves to tf32 under a tf32 parent (cudnn.fp32_precision, cuda/all, or
+        torch.backends.fp32_precision), and Inductor's Triton conv templates read cuda/all
+        itself; so where cuda/all reads "tf32", False also moves it to "ieee", pinning
+        cuda/matmul (when this scope leaves the matmul precision alone) to the value it read.
         """
-        all_reading = _G("cuda", "all")
+        sm: MatmulSaved | None = None
+        all_reading: str | None = None  # cuda/all: read at most once, SM does not write it
+        if t is not None:
+            try:
+                e: str | None = _GM()
+            except RuntimeError:
+                e = None
+            held = e == t  # _matmul_held, inline: e is needed below
+            if held and t != "highest":
+                try:
+                    held = _GBLAS() is True
+                except RuntimeError:
+                    held = False
+            if not held:
+                r = _G("cuda", "matmul")
+                if r == "none":
+                    cuda_raw = r  # an explicit ieee/tf32 would read as such
+                else:
+                    all_reading = _G("cuda", "all")
+                    cuda_raw = r if r != all_reading else raw_op("cuda", "matmul", all_reading)
+                r = _G("mkldnn", "matmul")
+                mkldnn_raw = r if r == "none" or r != _G("mkldnn", "all") else raw_op("mkldnn", "matmul")
+                if e is None:
+                    e = legacy_matmul(cuda_raw, mkldnn_raw)
+                _SM(t)
+                sm = (e, cuda_raw, mkldnn_raw)
+        if b is None:
+            return (t, b, sm, None)
+        try:
+            return (t, b, sm, _apply_cudnn(b, all_reading, pin_matmul=sm is None))
+        except BaseException:
+            if sm is not None:  # only an interrupt or a torch error gets here: undo the matmul field
+                restore((t, None, sm, None))
+            raise
+
+    def _apply_cudnn(  # noqa: C901  (hot path: straight-line on purpose, one call)
+        b: bool, all_reading: str | None, *, pin_matmul: bool
+    ) -> CudnnSaved | str | None:
+        try:
+            cur: bool | None = _GB()
+        except RuntimeError:
+            cur = None
+        if cur is b:
+            # No raise: conv and rnn both read tf32 iff b.
+            if b:
+                return None
+            if all_reading is None:
+                all_reading = _G("cuda", "all")
+            if all_reading != "tf32":
+                return all_reading  # held; kept so that a flip can be undone
+        elif all_reading is None:
+            all_reading = _G("cuda", "all")
         conv = _G("cuda", "conv")
         rnn = _G("cuda", "rnn")
-        conv_raw = raw_op("cuda", "conv", all_reading)
-        rnn_raw = raw_op("cuda", "rnn", all_reading)
-        b = legacy_cudnn(conv, rnn, conv_raw, rnn_raw)
+        conv_raw = conv if conv == "none" or conv != all_reading else raw_op("cuda", "conv", all_reading)
+        rnn_raw = rnn if rnn == "none" or rnn != all_reading else raw_op("cuda", "rnn", all_reading)
+        if cur is None:
+            cur = legacy_cudnn(conv, rnn, conv_raw, rnn_raw)
         all_raw: str | None = None
         matmul_raw: str | None = None
-        if not target and all_reading == "tf32":
+        if not b and all_reading == "tf32":
             all_raw = raw_all("cuda")
             if pin_matmul:
                 matmul_raw = raw_op("cuda", "matmul", all_reading)
-        _SB(target)
-        if not target:
-            _S("cuda", "conv", "ieee")
-            _S("cuda", "rnn", "ieee")
-            if all_raw is not None:
-                if matmul_raw == "none":
-                    _S("cuda", "matmul", "tf32")
-                _S("cuda", "all", "ieee")
-        return (b, conv_raw, rnn_raw, all_raw, matmul_raw)
-
-    def restore_cudnn(saved: CudnnSaved) -> None:
-        """Write back what :func:`save_apply_cudnn` returned."""
-        b, conv_raw, rnn_raw, all_raw, matmul_raw = saved
-        if all_raw is not None:
-            _S("cuda", "all", all_raw)
-            if matmul_raw == "none":
-                _S("cuda", "matmul", "none")
+        # The legacy setter writes conv and rnn as "none" for False; they then resolve
+        # through cuda/all, which after this reads ieee or none: never tf32.
         _SB(b)
-        written = "tf32" if b else "none"
-        if conv_raw != written:
-            _S("cuda", "conv", conv_raw)
-        if rnn_raw != written:
-            _S("cuda", "rnn", rnn_raw)
+        if all_raw is not None:
+            if matmul_raw == "none":
+                _S("cuda", "matmul", "tf32")
+            _S("cuda", "all", "ieee")
+        return (cur, conv_raw, rnn_raw, all_raw, matmul_raw)
 
-    def reapply_cudnn(target: bool, all_reading: str | None) -> None:
-        """Re-establish ``target`` after a block flipped it in a scope that saved nothing."""
-        _SB(target)
-        if not target:
-            _S("cuda", "conv", "ieee")
-            _S("cuda", "rnn", "ieee")
-            if all_reading is not None and _G("cuda", "all") != all_reading:
-                _S("cuda", "all", all_reading)
+    def restore(token: Token) -> str | None:  # noqa: C901, PLR0912  (hot path: inlined on purpose)
+        """Undo what :func:`apply` did; say what the block changed, if it changed what was applied.
 
-    def cudnn_all_reading() -> str | None:
-        """cuda/all's reading (part of what a cudnn=False scope keeps), None without the API."""
-        return _G("cuda", "all")  # type: ignore[no-any-return]
+        Restores in the reverse order of :func:`apply`. Where a field was already held
+        (nothing saved), a block that broke it gets the field re-applied.
+        """
+        t, b, sm, sc = token
+        note = None
+        if b is not None:
+            try:
+                ok = _GB() is b
+            except RuntimeError:
+                ok = False
+            if ok and not b:
+                ok = _G("cuda", "all") != "tf32"
+            if not ok:
+                note = describe("cudnn_allow_tf32", b, CUDNN_READINGS)
+            if type(sc) is tuple:
+                cur, conv_raw, rnn_raw, all_raw, matmul_raw = sc
+                if all_raw is not None:
+                    _S("cuda", "all", all_raw)
+                    if matmul_raw == "none":
+                        _S("cuda", "matmul", "none")
+                _SB(cur)
+                written = "tf32" if cur else "none"
+                if conv_raw != written:
+                    _S("cuda", "conv", conv_raw)
+                if rnn_raw != written:
+                    _S("cuda", "rnn", rnn_raw)
+            elif not ok:
+                _SB(b)
+                if isinstance(sc, str) and _G("cuda", "all") != sc:
+                    _S("cuda", "all", sc)
+        if t is not None:
+            ok = _matmul_held(t)
+            if not ok:
+                found = describe("matmul precision", t, MATMUL_READINGS)
+                note = found if note is None else f"{found}; {note}"
+            if sm is not None:
+                e, cuda_raw, mkldnn_raw = sm
+                _SM(e)
+                if cuda_raw != SM_WRITES_CUDA[e]:
+                    _S("cuda", "matmul", cuda_raw)
+                if mkldnn_raw != SM_WRITES_MKLDNN[e]:
+                    _S("mkldnn", "matmul", mkldnn_raw)
+            elif not ok:
+                _SM(t)
+        return note
 
     # -- whole state ----------------------------------------------------------------------
 
@@ -283,7 +365,7 @@ if HAS_NEW_API:
         e, b, raws = state
         _SM(e)
         _SB(b)
-        for (backend, op, _), raw in zip(SLOTS, raws):
+        for (backend, op, _), raw in zip(SLOTS, raws, strict=True):
             _S(backend, op, raw)
 
     def read_all() -> FlagReadings:
@@ -297,51 +379,71 @@ if HAS_NEW_API:
             out[name] = _G(backend, op)
         return out
 
-else:  # torch < 2.9: the legacy API alone; E and B are all there is, and always readable.
+# The legacy-API-only implementation: what torch < 2.9 gets. Defined on every torch so that
+# the tests can run it on a new torch too (through legacy writes only, which keep the two
+# APIs consistent).
 
-    def matmul_holds(target: str) -> bool:
-        """Whether the matmul precision already is ``target``."""
-        return _GM() == target  # type: ignore[no-any-return]
 
-    def save_matmul() -> tuple[str, str, str]:
-        """The legacy matmul precision (the slots do not exist here)."""
-        return (_GM(), "", "")
+def legacy_apply(t: str | None, b: bool | None) -> Token:
+    """Apply the fields that are not None through the legacy API; returns the token."""
+    sm: MatmulSaved | None = None
+    if t is not None:
+        e: str = _GM()
+        if e != t:
+            _SM(t)
+            sm = (e, "", "")
+    sc: CudnnSaved | None = None
+    if b is not None:
+        cur: bool = _GB()
+        if cur is not b:
+            _SB(b)
+            sc = (cur, "", "", None, None)
+    return (t, b, sm, sc)
 
-    def restore_matmul(saved: tuple[str, str, str]) -> None:
-        """Write back what :func:`save_matmul` returned."""
-        _SM(saved[0])
 
-    def cudnn_holds(target: bool) -> bool:
-        """Whether cuDNN TF32 already is ``target``."""
-        return _GB() is target  # type: ignore[no-any-return]
+def legacy_restore(token: Token) -> str | None:
+    """Undo what :func:`legacy_apply` did; say what the block changed, if anything."""
+    t, b, sm, sc = token
+    note = None
+    if b is not None:
+        ok = _GB() is b
+        if not ok:
+            note = describe("cudnn_allow_tf32", b, CUDNN_READINGS)
+        if type(sc) is tuple:
+            _SB(sc[0])
+        elif not ok:
+            _SB(b)
+    if t is not None:
+        ok = _GM() == t
+        if not ok:
+            found = describe("matmul precision", t, MATMUL_READINGS)
+            note = found if note is None else f"{found}; {note}"
+        if sm is not None:
+            _SM(sm[0])
+        elif not ok:
+            _SM(t)
+    return note
 
-    def save_apply_cudnn(target: bool, pin_matmul: bool) -> CudnnSaved:  # noqa: ARG001
-        """Save the cuDNN bool, then apply ``target``."""
-        b: bool = _GB()
-        _SB(target)
-        return (b, "", "", None, None)
 
-    def restore_cudnn(saved: CudnnSaved) -> None:
-        """Write back what :func:`save_apply_cudnn` returned."""
-        _SB(saved[0])
+def legacy_save_raw_state() -> RawState:
+    """The legacy matmul precision and cuDNN bool."""
+    return (_GM(), _GB(), ())
 
-    def reapply_cudnn(target: bool, all_reading: str | None) -> None:  # noqa: ARG001
-        """Re-establish ``target`` after a block flipped it."""
-        _SB(target)
 
-    def cudnn_all_reading() -> str | None:
-        """None: there is no cuda/all slot before torch 2.9."""
-        return None
+def legacy_restore_raw_state(state: RawState) -> None:
+    """Write back what :func:`legacy_save_raw_state` returned."""
+    _SM(state[0])
+    _SB(state[1])
 
-    def save_raw_state() -> RawState:
-        """The legacy matmul precision and cuDNN bool."""
-        return (_GM(), _GB(), ())
 
-    def restore_raw_state(state: RawState) -> None:
-        """Write back what :func:`save_raw_state` returned."""
-        _SM(state[0])
-        _SB(state[1])
+def legacy_read_all() -> FlagReadings:
+    """Every reading torch offers."""
+    return {LEGACY_MATMUL: _GM(), LEGACY_CUBLAS: _GBLAS(), LEGACY_CUDNN: _GB()}
 
-    def read_all() -> FlagReadings:
-        """Every reading torch offers."""
-        return {LEGACY_MATMUL: _GM(), LEGACY_CUBLAS: _GBLAS(), LEGACY_CUDNN: _GB()}
+
+if not HAS_NEW_API:
+    apply = legacy_apply
+    restore = legacy_restore
+    save_raw_state = legacy_save_raw_state
+    restore_raw_state = legacy_restore_raw_state
+    read_all = legacy_read_all

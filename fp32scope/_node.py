@@ -15,7 +15,7 @@ def _unwrap(module: object) -> object:
     # Read the declaration on the real module, not through OptimizedModule's forwarding
     # (which a subclass or a later torch may change). Imported here: importing Dynamo is
     # slow, and a user who never compiles has no OptimizedModule to unwrap.
-    from torch._dynamo.eval_frame import OptimizedModule  # noqa: PLC0415
+    from torch._dynamo.eval_frame import OptimizedModule
 
     while isinstance(module, OptimizedModule):
         module = module._orig_mod

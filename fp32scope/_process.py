@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from fp32scope import _flags
 from fp32scope._precision import Fp32Precision, MatmulPrecision
 from fp32scope._scope import active_scope_thread, conflict_error, split
@@ -30,11 +28,7 @@ def set_process_default(precision: Fp32Precision | None) -> None:
         raise conflict_error("Cannot call set_process_default", owner)
     if fields is None:
         return
-    t, b = fields
-    if t is not None:
-        torch._C._set_float32_matmul_precision(t)
-    if b is not None:
-        _flags.save_apply_cudnn(b, pin_matmul=True)
+    _flags.apply(*fields)  # the token is dropped: this state is the new default
 
 
 def _effective_matmul(cuda: str, mkldnn: str) -> MatmulPrecision:
@@ -62,7 +56,7 @@ def current_fp32_precision() -> Fp32Precision:
     legacy_matmul = readings[_flags.LEGACY_MATMUL]
     cublas = readings[_flags.LEGACY_CUBLAS]
     matmul: MatmulPrecision
-    if legacy_matmul != _flags.RAISES and cublas != _flags.RAISES:
+    if _flags.RAISES not in (legacy_matmul, cublas):
         matmul = legacy_matmul  # type: ignore[assignment]
     else:
         matmul = _effective_matmul(

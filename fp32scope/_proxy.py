@@ -11,7 +11,7 @@ import wrapt
 
 from fp32scope import _dynamo_exclude
 from fp32scope._precision import Fp32Precision, check_precision
-from fp32scope._scope import enter, exit_, split
+from fp32scope._scope import fp32_precision_scope, wrapper_scope
 
 __all__ = ["SELF_RETURNING_METHODS", "Fp32ScopedModule", "precision_of"]
 
@@ -45,7 +45,7 @@ def _default_name(module: object) -> str:
     return type(inner).__qualname__
 
 
-class Fp32ScopedModule(wrapt.BaseObjectProxy):  # type: ignore[misc]  # wrapt ships no type hints
+class Fp32ScopedModule(wrapt.BaseObjectProxy[torch.nn.Module]):
     """A ``torch.nn.Module`` (typically ``torch.compile``'d) whose every call runs in a scope.
 
     The proxy is transparent: ``isinstance`` against the wrapped module's classes holds,
@@ -89,30 +89,23 @@ class Fp32ScopedModule(wrapt.BaseObjectProxy):  # type: ignore[misc]  # wrapt sh
         _dynamo_exclude.ensure()
         super().__init__(module)
         self._self_precision = checked
-        self._self_fields = split(checked)
         self._self_name = name if name is not None else _default_name(module)
+        self._self_scope = wrapper_scope(checked, self._self_name)
 
-    # wrapt's own __call__ would take ``self`` out of *args the same way: a keyword
-    # argument named "self" must still reach the module.
-    def __call__(*args: Any, **kwargs: Any) -> Any:
-        self, *args = args  # type: ignore[assignment]
-        fields = self._self_fields
-        if fields is None:
+    # ``self`` is positional-only so that a keyword argument named "self" still reaches
+    # the module (wrapt's CallableObjectProxy gets the same by unpacking *args, which costs
+    # a list on every call).
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        with self._self_scope:
             return self.__wrapped__(*args, **kwargs)
-        token = enter(*fields)
-        try:
-            return self.__wrapped__(*args, **kwargs)
-        finally:
-            exit_(token, stacklevel=2)
 
     @property
     def forward(self) -> Callable[..., Any]:
         """The wrapped module's ``forward``, run inside the scope."""
-        fields = self._self_fields
         forward: Callable[..., Any] = self.__wrapped__.forward
-        if fields is None:
+        if self._self_precision is None or self._self_precision.is_noop:
             return forward
-        return _scoped_forward(forward, fields)
+        return _scoped_forward(forward, self._self_scope)
 
     @forward.setter
     def forward(self, value: Callable[..., Any]) -> None:
@@ -162,21 +155,19 @@ for _name in SELF_RETURNING_METHODS:
 del _name
 
 
-def _scoped_forward(forward: Callable[..., Any], fields: tuple[str | None, bool | None]) -> Callable[..., Any]:
+def _scoped_forward(forward: Callable[..., Any], scope: fp32_precision_scope) -> Callable[..., Any]:
     def scoped_forward(*args: Any, **kwargs: Any) -> Any:
-        token = enter(*fields)
-        try:
+        with scope:
             return forward(*args, **kwargs)
-        finally:
-            exit_(token, stacklevel=2)
 
     _dynamo_exclude.mark_function(scoped_forward)
     scoped_forward.__wrapped__ = forward  # type: ignore[attr-defined]
     return scoped_forward
 
 
+# Every closure of _scoped_forward shares one code object: marking one covers them all.
 _dynamo_exclude.exclude(Fp32ScopedModule.__call__)
-_dynamo_exclude.exclude(_scoped_forward(print, ("highest", None)), graph_break=False)
+_dynamo_exclude.exclude(_scoped_forward(print, fp32_precision_scope(None)), graph_break=False)
 
 
 def precision_of(obj: object) -> Fp32Precision | None:

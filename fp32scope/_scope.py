@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import warnings
 from types import TracebackType
-from typing import Final, Union
+from typing import Final
 
 import torch
 
@@ -13,34 +13,32 @@ from fp32scope import _dynamo_exclude, _flags
 from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
 from fp32scope._precision import MATMUL_PRECISIONS, Fp32Precision, check_precision
 
-__all__ = ["Token", "active_scope_thread", "enter", "exit_", "fp32_precision_scope", "split"]
+__all__ = [
+    "Token",
+    "active_scope_thread",
+    "conflict_error",
+    "fp32_precision_scope",
+    "split",
+    "wrapper_scope",
+]
 
 # Bound once: every scoped call goes through these. Dynamo recognises
 # torch.compiler.is_compiling by identity, so the alias still folds to True while tracing.
 _is_compiling = torch.compiler.is_compiling
 _get_ident = threading.get_ident
-_SM = torch._C._set_float32_matmul_precision
-_matmul_holds = _flags.matmul_holds
-_save_matmul = _flags.save_matmul
-_restore_matmul = _flags.restore_matmul
-_cudnn_holds = _flags.cudnn_holds
-_save_apply_cudnn = _flags.save_apply_cudnn
-_restore_cudnn = _flags.restore_cudnn
 
 # Which thread is inside a scope that changes flags. The flags are process-wide, so a
 # second thread's scope would change them under the first one's kernels (and the first
 # one's exit would change them back under the second's): only one thread may hold scopes
-# at a time. dict.setdefault and del are atomic, so claiming needs no lock; the depth is
+# at a time. dict.setdefault and pop are atomic, so claiming needs no lock; the depth is
 # only ever touched by the owning thread.
 _owner: dict[int, int] = {}
-_depth = [0]
+_depth = 0
 _claim = _owner.setdefault
+_apply = _flags.apply
+_restore = _flags.restore
 
-# Token fields: (matmul, cudnn, matmul state, cudnn state). A state is None where the field
-# is None, _FAST where the flags already held the value (nothing saved or written), a
-# 1-tuple (cuda/all reading,) for a cuDNN fast path, else what _flags saved.
-_FAST: Final[tuple[()]] = ()
-Token = tuple[Union[str, None], Union[bool, None], object, object]
+Token = _flags.Token
 
 _COMPILING_MSG: Final = (
     "fp32_precision_scope cannot change torch's float32 precision flags inside a region that "
@@ -94,99 +92,22 @@ def active_scope_thread() -> int | None:
     return _owner.get(0)
 
 
-def enter(t: str | None, b: bool | None) -> Token:
-    """Enter a scope for checked fields (at least one not None); returns the exit token."""
-    if _is_compiling():
-        raise Fp32ScopeError(_COMPILING_MSG)
-    me = _get_ident()
-    owner = _claim(0, me)
-    if owner != me:
-        raise conflict_error("Cannot enter an fp32_precision_scope", owner)
-    _depth[0] += 1
-    sm: object = None
-    sc: object = None
-    try:
-        if t is not None:
-            if _matmul_holds(t):
-                sm = _FAST
-            else:
-                sm = _save_matmul()
-                _SM(t)
-        if b is not None:
-            if _cudnn_holds(b):
-                sc = (None if b else _flags.cudnn_all_reading(),)
-            else:
-                sc = _save_apply_cudnn(b, sm is _FAST or sm is None)
-    except BaseException:
-        # Only reachable for an interrupt or a torch error between our own calls.
-        _undo(t, b, sm, sc)
-        _release()
-        raise
-    return (t, b, sm, sc)
-
-
-def _undo(t: str | None, b: bool | None, sm: object, sc: object) -> None:
-    if b is not None and sc is not None and len(sc) == 5:  # type: ignore[arg-type]
-        _restore_cudnn(sc)  # type: ignore[arg-type]
-    if t is not None and sm is not None and sm is not _FAST:
-        _restore_matmul(sm)  # type: ignore[arg-type]
-
-
 def _release() -> None:
-    depth = _depth[0] - 1
-    _depth[0] = depth
-    if depth == 0:
+    global _depth  # noqa: PLW0603  (a module int is the cheapest counter to bump per call)
+    _depth -= 1
+    if _depth == 0:
         # Decrement before releasing: the next owner's increment must see 0.
         _owner.pop(0, None)
 
 
-def exit_(token: Token, stacklevel: int = 2) -> None:
-    """Leave the scope ``token`` came from: restore, release, warn if the block flipped flags."""
-    t, b, sm, sc = token
-    changed: list[str] | None = None
-    try:
-        if b is not None:
-            if not _cudnn_holds(b):
-                changed = [_describe_cudnn(b)]
-            if len(sc) == 1:  # type: ignore[arg-type]
-                if changed:
-                    _flags.reapply_cudnn(b, sc[0])  # type: ignore[index]
-            else:
-                _restore_cudnn(sc)  # type: ignore[arg-type]
-        if t is not None:
-            if not _matmul_holds(t):
-                changed = [*(changed or ()), _describe_matmul(t)]
-                if sm is _FAST:
-                    _SM(t)
-            if sm is not _FAST:
-                _restore_matmul(sm)  # type: ignore[arg-type]
-    finally:
-        _release()
-    if changed:
-        msg = (
-            "The code inside an fp32_precision_scope changed the float32 precision flags the "
-            f"scope applied; the scope restored the state it saved on entry. Changed: {'; '.join(changed)}. "
-            "Declare the precision on the node instead of setting torch's flags inside its forward."
-        )
-        warnings.warn(msg, Fp32FlagsChangedWarning, stacklevel=stacklevel + 1)
-
-
-def _describe_matmul(t: str) -> str:
-    readings = _flags.read_all()
-    names = [_flags.LEGACY_MATMUL, _flags.LEGACY_CUBLAS]
-    if _flags.HAS_NEW_API:
-        names += [_flags.SLOT_NAMES["cuda", "matmul"], _flags.SLOT_NAMES["mkldnn", "matmul"]]
-    found = ", ".join(f"{n} = {readings[n]!r}" for n in names)
-    return f"matmul precision applied as {t!r}, found {found}"
-
-
-def _describe_cudnn(b: bool) -> str:
-    readings = _flags.read_all()
-    names = [_flags.LEGACY_CUDNN]
-    if _flags.HAS_NEW_API:
-        names += [_flags.SLOT_NAMES[k] for k in (("cuda", "conv"), ("cuda", "rnn"), ("cuda", "all"))]
-    found = ", ".join(f"{n} = {readings[n]!r}" for n in names)
-    return f"cudnn_allow_tf32 applied as {b!r}, found {found}"
+def _warn_changed(changed: str, name: str | None, stacklevel: int) -> None:
+    where = f" around {name!r}" if name is not None else ""
+    msg = (
+        f"The code inside an fp32_precision_scope{where} changed the float32 precision flags the scope "
+        f"applied; the scope restored the state it saved on entry. Changed: {changed}. Declare the "
+        "precision on the node (or its wrapper) instead of setting torch's flags inside its forward."
+    )
+    warnings.warn(msg, Fp32FlagsChangedWarning, stacklevel=stacklevel + 1)
 
 
 class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used as a context manager)
@@ -218,11 +139,22 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
     'high'
     """
 
-    __slots__ = ("_fields", "_tokens")
+    __slots__ = ("_fields", "_name", "_outer", "_stacklevel", "_token")
 
     def __init__(self, precision: Fp32Precision | None) -> None:
-        self._fields = split(precision)
-        self._tokens: list[Token] = []
+        # The common case inline (this runs on every scoped call); split() checks the rest
+        # and raises with the field named. An Fp32Precision is itself the (matmul, cudnn) pair.
+        t = b = None
+        if type(precision) is Fp32Precision:
+            t, b = precision
+        if (t is None or t in _CHECKED) and (b is True or b is False or (b is None and t is not None)):
+            self._fields: tuple[str | None, bool | None] | None = precision
+        else:
+            self._fields = split(precision)
+        self._token: Token | None = None
+        self._outer: list[Token] | None = None  # tokens of outer entries of this same object
+        self._name: str | None = None
+        self._stacklevel = 2
 
     @property
     def precision(self) -> Fp32Precision | None:
@@ -231,8 +163,28 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
 
     def __enter__(self) -> None:
         fields = self._fields
-        if fields is not None:
-            self._tokens.append(enter(*fields))
+        if fields is None:
+            return
+        # Dynamo folds this call to True while it traces, so a scope entered in traced code
+        # raises there (a graph break, or under fullgraph=True an error with this message).
+        if _is_compiling():
+            raise Fp32ScopeError(_COMPILING_MSG)
+        me = _get_ident()
+        owner = _claim(0, me)
+        if owner != me:
+            raise conflict_error("Cannot enter an fp32_precision_scope", owner)
+        global _depth  # noqa: PLW0603
+        _depth += 1
+        try:
+            token = _apply(fields[0], fields[1])
+        except BaseException:  # only an interrupt or a torch error between our own calls
+            _release()
+            raise
+        if self._token is not None:  # this object re-entered while already inside
+            if self._outer is None:
+                self._outer = []
+            self._outer.append(self._token)
+        self._token = token
 
     def __exit__(
         self,
@@ -240,14 +192,38 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._fields is not None:
-            exit_(self._tokens.pop(), stacklevel=2)
+        token = self._token
+        if token is None:
+            return
+        self._token = self._outer.pop() if self._outer else None
+        try:
+            changed = _restore(token)
+        finally:
+            _release()
+        if changed is not None:
+            _warn_changed(changed, self._name, self._stacklevel)
 
     def __repr__(self) -> str:
         return f"fp32_precision_scope({self.precision!r})"
 
 
-_dynamo_exclude.exclude(enter, exit_, _release, _undo, graph_break=False)
+def wrapper_scope(precision: Fp32Precision | None, name: str) -> fp32_precision_scope:
+    """A scope for a wrapper to enter around each call; warnings point at the wrapper's caller."""
+    scope = fp32_precision_scope(precision)
+    scope._name = name
+    scope._stacklevel = 3
+    return scope
+
+
+# Frames only (no graph-break mark): Dynamo still inlines __enter__ into traced user code,
+# where is_compiling() folds to True and the scope raises with its own message.
+_dynamo_exclude.exclude(
+    _release,
+    _warn_changed,
+    fp32_precision_scope.__enter__,
+    fp32_precision_scope.__exit__,
+    graph_break=False,
+)
 _dynamo_exclude.exclude(
     *(fn for fn in vars(_flags).values() if callable(fn) and getattr(fn, "__module__", None) == _flags.__name__),
     graph_break=False,

@@ -17,4 +17,4 @@ def _restore_process_flags() -> Iterator[None]:
     _flags.restore_raw_state(state)
     # A test that fails inside a scope on another thread must not poison the next test.
     _scope._owner.clear()
-    _scope._depth[0] = 0
+    _scope._depth = 0

@@ -1,0 +1,190 @@
+"""Per-call cost of fp32scope's scopes and wrappers, against torch's own helpers and the floor.
+
+Run with ``nox -s bench`` (or ``python benchmarks/bench_scope.py``). Every figure is the
+median over ``--repeats`` timing loops of ``--number`` calls each, all in one process and
+one run, so that the ratios compare like with like on a noisy, shared machine. Overheads
+are the figure minus the bare call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import timeit
+import warnings
+from collections.abc import Callable
+
+import torch
+
+import fp32scope
+from fp32scope import Fp32Precision, Fp32ScopedModule, _flags, fp32_precision_scope, with_fp32_precision
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+_C = torch._C
+
+
+def noop() -> None:
+    """The bare call every figure wraps."""
+
+
+def median_ns(fn: Callable[[], object], number: int, repeats: int) -> float:
+    """Median nanoseconds per call of ``fn`` over ``repeats`` loops of ``number`` calls."""
+    timer = timeit.Timer(fn)
+    times = timer.repeat(repeat=repeats, number=number)
+    return statistics.median(times) / number * 1e9
+
+
+def floor_switch_both() -> None:
+    """The raw _C calls that the library's exact switch of both fields issues, inline.
+
+    The same calls, in the same order and the same state, as the switching path from the
+    usual engine default, Fp32Precision("high", True), to Fp32Precision("highest", False):
+    entry checks and exact save (the legacy values, and each slot's reading against its
+    parent's to tell its raw value), the writes, the exit checks and the restore. Nothing
+    else: no Python function, no branch.
+    """
+    g = _C._get_fp32_precision_getter
+    # enter matmul: held? no; save (reading vs parent reading decides the raw value); apply
+    _C._get_float32_matmul_precision()
+    g("cuda", "matmul")
+    g("cuda", "all")
+    g("mkldnn", "matmul")
+    g("mkldnn", "all")
+    _C._set_float32_matmul_precision("highest")
+    # enter cudnn: held? no; save (cuda/all was read above); apply
+    _C._get_cudnn_allow_tf32()
+    g("cuda", "conv")
+    g("cuda", "rnn")
+    _C._set_cudnn_allow_tf32(False)
+    noop()
+    # exit cudnn: still held? then restore
+    _C._get_cudnn_allow_tf32()
+    g("cuda", "all")
+    _C._set_cudnn_allow_tf32(True)
+    # exit matmul: still held? then restore
+    _C._get_float32_matmul_precision()
+    _C._set_float32_matmul_precision("high")
+
+
+def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one flat script)
+    """Measure, print the figures and ratios (and JSON with ``--json``)."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--number", type=int, default=20_000)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    args = parser.parse_args(argv)
+    n, r = args.number, args.repeats
+
+    default = Fp32Precision("high", True)
+    full = Fp32Precision("highest", False)
+    matmul_only = Fp32Precision("highest", None)
+    fp32scope.set_process_default(default)
+
+    def scope_both() -> None:
+        with fp32_precision_scope(full):
+            noop()
+
+    def scope_matmul() -> None:
+        with fp32_precision_scope(matmul_only):
+            noop()
+
+    def scope_fast() -> None:
+        with fp32_precision_scope(default):
+            noop()
+
+    def cudnn_flags() -> None:
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            noop()
+
+    decorated = with_fp32_precision(full)(noop)
+
+    class Tiny(torch.nn.Module):
+        def forward(self) -> None:
+            return None
+
+    bare_module = Tiny()
+    proxy = Fp32ScopedModule(bare_module, full)
+    reused = fp32_precision_scope(full)
+
+    def bare_scope_both() -> None:
+        with reused:
+            noop()
+
+    def call_module() -> None:
+        bare_module()
+
+    def call_proxy() -> None:
+        proxy()
+
+    def scope_module() -> None:
+        with reused:
+            bare_module()
+
+    cases: dict[str, Callable[[], object]] = {
+        "bare no-op call": noop,
+        "floor: raw _C calls of an exact switch, inline": floor_switch_both,
+        "fp32_precision_scope, both fields switch": scope_both,
+        "fp32_precision_scope, matmul only switches": scope_matmul,
+        "fp32_precision_scope, flags already match (fast path)": scope_fast,
+        "torch.backends.cudnn.flags(allow_tf32=False)": cudnn_flags,
+        "one scope object reused, both switch": bare_scope_both,
+        "with_fp32_precision-decorated no-op, both switch": decorated,
+        "bare nn.Module call": call_module,
+        "Fp32ScopedModule call, both switch": call_proxy,
+        "one scope object reused around the bare nn.Module call": scope_module,
+    }
+    # Interleave repeats across cases so that a noisy stretch hits every case alike.
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for fn in cases.values():
+        fn()  # warm up (first calls import, allocate, mark code for Dynamo)
+    before = _flags.read_all()
+    for _ in range(r):
+        for name, fn in cases.items():
+            samples[name].append(median_ns(fn, n, 1))
+    if _flags.read_all() != before:
+        print("error: the benchmark left the flags changed", file=sys.stderr)
+        return 1
+    med = {name: statistics.median(values) for name, values in samples.items()}
+
+    bare = med["bare no-op call"]
+    floor = med["floor: raw _C calls of an exact switch, inline"] - bare
+    switch = med["fp32_precision_scope, both fields switch"] - bare
+    matmul = med["fp32_precision_scope, matmul only switches"] - bare
+    fast = med["fp32_precision_scope, flags already match (fast path)"] - bare
+    cudnn = med["torch.backends.cudnn.flags(allow_tf32=False)"] - bare
+    proxy_over = (
+        med["Fp32ScopedModule call, both switch"] - med["one scope object reused around the bare nn.Module call"]
+    )
+    decorated_over = (
+        med["with_fp32_precision-decorated no-op, both switch"] - med["one scope object reused, both switch"]
+    )
+
+    print(f"torch {torch.__version__}, fp32scope {fp32scope.__version__}, new API: {_flags.HAS_NEW_API}")
+    print(f"median of {r} loops x {n} calls, ns per call")
+    width = max(map(len, med))
+    for name, value in med.items():
+        print(f"  {name:<{width}}  {value:9.1f}")
+    ratios = {
+        "switch overhead (both) / floor overhead [target <= 2]": switch / floor,
+        "switch overhead (both) / cudnn.flags() overhead [target <= 0.25]": switch / cudnn,
+        "fast-path overhead / switch overhead [target <= 0.5]": fast / switch,
+        "matmul-only overhead / switch overhead": matmul / switch,
+    }
+    print("overheads (minus the bare call), ns:")
+    print(f"  floor {floor:.1f}; switch both {switch:.1f}; matmul only {matmul:.1f}; fast path {fast:.1f}")
+    print(f"  cudnn.flags() {cudnn:.1f}")
+    print(f"  proxy on top of the scope around the same module call {proxy_over:.1f} [target <= 300]")
+    print(f"  decorator on top of the scope around the same call {decorated_over:.1f}")
+    print("ratios:")
+    for name, value in ratios.items():
+        print(f"  {name}: {value:.2f}")
+    if args.json:
+        print(json.dumps({"median_ns": med, "ratios": ratios, "proxy_over_ns": proxy_over}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""A user's tests of a node that needs full float32, checked with fp32scope's pytest plugin.
+
+Run with ``--fp32scope-strict``: a test that leaves torch's float32 precision flags changed
+fails at teardown. Scopes restore what they change, and so does the ``fp32_flags`` fixture
+for a test that sets the flags directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp32scope import Fp32Precision, Fp32ScopedModule, current_fp32_precision, set_process_default
+
+HIGHEST = Fp32Precision("highest", cudnn_allow_tf32=False)
+
+
+class Head(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Fp32Precision]:
+        return x + 1, current_fp32_precision()
+
+
+def test_node_runs_in_its_precision() -> None:
+    # No fixture needed: the scope restores what it changes, so strict mode is satisfied.
+    before = current_fp32_precision()
+    head = Fp32ScopedModule(Head(), HIGHEST)
+    _, inside = head(torch.zeros(1))
+    assert inside == HIGHEST
+    assert current_fp32_precision() == before
+
+
+def test_engine_default(fp32_flags: object) -> None:
+    # This test sets the process default directly; fp32_flags puts the flags back afterwards.
+    del fp32_flags
+    set_process_default(Fp32Precision("medium", cudnn_allow_tf32=True))
+    head = Fp32ScopedModule(Head(), HIGHEST)
+    _, inside = head(torch.zeros(1))
+    assert inside == HIGHEST
+    assert current_fp32_precision() == Fp32Precision("medium", cudnn_allow_tf32=True)
+
+
+def test_torch_flags_directly(fp32_flags: object) -> None:
+    # Writing torch's own flags, in either API, is fine under the fixture too.
+    del fp32_flags
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    torch.backends.cudnn.allow_tf32 = False
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"

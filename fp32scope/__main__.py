@@ -1,0 +1,45 @@
+"""Command line: ``python -m fp32scope demo`` and ``python -m fp32scope doctor``."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from fp32scope import _demo, _doctor
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fp32scope",
+        description="Scoped float32 matmul/cuDNN precision for PyTorch: demo and diagnostics.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,doctor}")
+    demo = commands.add_parser(
+        "demo",
+        help="run three torch.compile'd nodes on a forward thread, one of them in full float32",
+        description=_demo.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _demo.add_arguments(demo)
+    demo.set_defaults(run=_demo.run)
+    doctor = commands.add_parser(
+        "doctor",
+        help="check that torch's legacy and new precision APIs agree (exit status 1 when mixed)",
+        description=_doctor.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _doctor.add_arguments(doctor)
+    doctor.set_defaults(run=_doctor.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` names (default: ``sys.argv[1:]``); returns the exit status."""
+    args = _parser().parse_args(argv)
+    status: int = args.run(args)
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,423 @@
+"""``python -m fp32scope demo``: an inference engine's run, in miniature.
+
+Three nodes, each a small ``torch.compile``'d MLP, form a pipeline; the last one (``head``)
+declares full float32 on its class. The engine sets the process default once, loads each
+node's declaration with ``node_fp32_precision``, wraps the compiled module in
+``Fp32ScopedModule``, and runs every forward (a warmup pass, then the measured steps) on one
+dedicated forward thread. Per node it shows the precision read inside the node's call, the
+process state before and after the call, how many graphs were compiled and recompiled,
+and, where the device shows a numeric effect of the default, each node's error against a
+float64 reference. On CUDA (``--device cuda``) each node is also captured in a CUDA graph
+inside its scope, and the measured steps replay the graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
+
+import torch
+
+from fp32scope import _flags
+from fp32scope._cuda_graphs import capture_cuda_graph
+from fp32scope._node import node_fp32_precision
+from fp32scope._precision import MATMUL_PRECISIONS, Fp32Precision
+from fp32scope._process import current_fp32_precision, set_process_default
+from fp32scope._proxy import Fp32ScopedModule
+from fp32scope._scope import fp32_precision_scope
+
+__all__ = ["DemoResult", "NodeResult", "add_arguments", "render", "run", "run_demo"]
+
+_FORWARD_THREAD = "fp32scope-forward"
+_BATCH = 64
+_FEATURES = 512
+_STEPS = 3
+_FULL_FP32 = Fp32Precision("highest", False)
+_RECOMPILE_METHOD = (
+    "a counting wrapper around the backend: graphs compiled during the warmup pass, and "
+    "recompiles = graphs compiled after it"
+)
+
+
+class Embed(torch.nn.Module):
+    """Node 1: a two-layer MLP; declares nothing, so it runs with the process default."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(_FEATURES // 2, _FEATURES)
+        self.mix = torch.nn.Linear(_FEATURES, _FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Embed ``x``."""
+        out: torch.Tensor = self.mix(torch.nn.functional.gelu(self.up(x)))
+        return out
+
+
+class Body(torch.nn.Module):
+    """Node 2: a residual MLP block; declares nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(_FEATURES, _FEATURES)
+        self.fc2 = torch.nn.Linear(_FEATURES, _FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """One residual block."""
+        out: torch.Tensor = x + self.fc2(torch.relu(self.fc1(x)))
+        return out
+
+
+class Head(torch.nn.Module):
+    """Node 3: needs full float32 (say, a numerically sensitive output), and declares it."""
+
+    float32_matmul_precision = "highest"
+    cudnn_allow_tf32 = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = torch.nn.Linear(_FEATURES, _FEATURES // 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Project ``x`` to the output."""
+        return torch.tanh(self.out(x))
+
+
+_NODES: tuple[tuple[str, type[torch.nn.Module]], ...] = (("embed", Embed), ("body", Body), ("head", Head))
+
+
+class _CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs it is asked to compile."""
+
+    def __init__(self, backend: str) -> None:
+        from torch._dynamo import lookup_backend
+
+        self._inner = lookup_backend(backend)
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        self.graphs += 1
+        return self._inner(gm, example_inputs)
+
+
+@dataclasses.dataclass
+class NodeResult:
+    """What the demo measured for one node."""
+
+    name: str
+    declared: Fp32Precision | None
+    expected: Fp32Precision
+    ran_with: Fp32Precision | None = None
+    forward_thread: str | None = None
+    before: Fp32Precision | None = None
+    after: Fp32Precision | None = None
+    graphs: int = 0
+    recompiles: int = 0
+    max_abs_error: float | None = None
+    full_fp32_error: float | None = None
+    cuda_graph: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """True when the node ran with its expected precision, left the default, and never recompiled."""
+        return (
+            self.ran_with == self.expected
+            and self.before == self.after
+            and self.recompiles == 0
+            and self.forward_thread is not None
+            and self.forward_thread.startswith(_FORWARD_THREAD)
+        )
+
+
+@dataclasses.dataclass
+class DemoResult:
+    """The whole run: its settings, the per-node results, and the numeric-effect probe."""
+
+    device: str
+    backend: str
+    default: Fp32Precision
+    steps: int
+    nodes: list[NodeResult]
+    graph_breaks: int
+    recompile_counting: str
+    effect_probe_max_abs_diff: float
+    warmup_s: float
+    steps_s: float
+
+    @property
+    def numeric_effect(self) -> bool:
+        """Whether the default gives different float32 matmul results from full fp32 on this device."""
+        return self.effect_probe_max_abs_diff > 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when every node is ok, ran from the process default, and no graph broke."""
+        return self.graph_breaks == 0 and all(node.ok and node.before == self.default for node in self.nodes)
+
+    def as_json(self) -> dict[str, Any]:
+        """The result as JSON-ready data (the ``--json`` output)."""
+        data = dataclasses.asdict(self)
+        data["numeric_effect"] = self.numeric_effect
+        data["ok"] = self.ok
+        for node, raw in zip(self.nodes, data["nodes"], strict=True):
+            raw["ok"] = node.ok
+        converted: dict[str, Any] = _precisions_as_dicts(data)
+        return converted
+
+
+def _precisions_as_dicts(value: Any) -> Any:
+    # dataclasses.asdict keeps NamedTuples as tuples; name their fields in the JSON.
+    if isinstance(value, Fp32Precision):
+        return value._asdict()
+    if isinstance(value, dict):
+        return {k: _precisions_as_dicts(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_precisions_as_dicts(v) for v in value]
+    return value
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def _effect_probe(default: Fp32Precision, device: torch.device) -> float:
+    # The device decides whether the default changes float32 results at all ("high" is TF32
+    # on Ampere+ GPUs, but changes nothing on most CPUs): compare one matmul both ways.
+    generator = torch.Generator().manual_seed(1)
+    a = torch.randn(256, 256, generator=generator).to(device)
+    b = torch.randn(256, 256, generator=generator).to(device)
+    with fp32_precision_scope(default):
+        reduced = a @ b
+    with fp32_precision_scope(_FULL_FP32):
+        full = a @ b
+    return float((reduced - full).abs().max())
+
+
+class _Node:
+    """One loaded node: the scoped compiled module, its counting backend, and its float64 twin."""
+
+    def __init__(self, name: str, module: torch.nn.Module, backend: str, default: Fp32Precision) -> None:
+        self.eager = module
+        self.reference = copy.deepcopy(module).to("cpu", torch.float64)
+        self.counter = _CountingBackend(backend)
+        # torch.compile returns the module's OptimizedModule (typed as a plain callable).
+        compiled = cast("torch.nn.Module", torch.compile(module, backend=self.counter))
+        declared = node_fp32_precision(name, compiled)
+        self.scoped = Fp32ScopedModule(compiled, declared, name=name)
+        self.result = NodeResult(
+            name,
+            declared,
+            Fp32Precision(
+                declared.matmul if declared and declared.matmul else default.matmul,
+                declared.cudnn_allow_tf32
+                if declared and declared.cudnn_allow_tf32 is not None
+                else default.cudnn_allow_tf32,
+            ),
+        )
+        # A pre-hook on the compiled module runs eagerly inside the node's call, within its
+        # scope and before the compiled graph: a read inside the compiled forward itself
+        # would be a graph break.
+        self.scoped.register_forward_pre_hook(self._record)
+        self.call: Callable[[torch.Tensor], torch.Tensor] = self.scoped
+
+    def _record(self, _module: torch.nn.Module, _args: tuple[Any, ...]) -> None:
+        self.result.ran_with = Fp32Precision(
+            torch.get_float32_matmul_precision(),  # type: ignore[arg-type]
+            torch.backends.cudnn.allow_tf32,
+        )
+        self.result.forward_thread = threading.current_thread().name
+
+
+def _warmup(nodes: list[_Node], x: torch.Tensor) -> None:
+    with torch.inference_mode():
+        for node in nodes:
+            x = node.scoped(x)
+    for node in nodes:
+        node.result.graphs = node.counter.graphs
+
+
+def _capture(nodes: list[_Node], x: torch.Tensor) -> None:
+    # Warmup and capture run inside each node's scope (capture_cuda_graph takes the
+    # precision from the proxy): the kernels are chosen, TF32 or not, when captured.
+    with torch.inference_mode():
+        for node in nodes:
+            graph = capture_cuda_graph(node.scoped, [x.clone()])
+            node.call = graph
+            node.result.cuda_graph = True
+            x = graph.static_output.clone()
+
+
+def _max_abs_diff(a: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((a.to("cpu", torch.float64) - reference).abs().max())
+
+
+def _step(nodes: list[_Node], x: torch.Tensor, measure_error: bool) -> None:
+    with torch.inference_mode():
+        for node in nodes:
+            node.result.before = current_fp32_precision()
+            y = node.call(x).clone()
+            node.result.after = current_fp32_precision()
+            if measure_error:
+                # The same node, eager and in full float32 on the same input: the error the
+                # node would have without the default's reduced precision.
+                with fp32_precision_scope(_FULL_FP32):
+                    full = node.eager(x)
+                reference = node.reference(x.to("cpu", torch.float64))
+                node.result.max_abs_error = _max_abs_diff(y, reference)
+                node.result.full_fp32_error = _max_abs_diff(full, reference)
+            x = y
+
+
+def run_demo(
+    *, default: str = "high", backend: str = "inductor", device: str = "cpu", steps: int = _STEPS
+) -> DemoResult:
+    """Run the demo and return what it measured; the caller's flags are restored afterwards.
+
+    Resets Dynamo's caches first, so that every node compiles afresh and the counts are
+    this run's own.
+    """
+    if default not in MATMUL_PRECISIONS:
+        msg = f"default must be one of {', '.join(map(repr, MATMUL_PRECISIONS))}; got {default!r}."
+        raise ValueError(msg)
+    if steps < 1:
+        msg = f"steps must be at least 1; got {steps}."
+        raise ValueError(msg)
+    target = torch.device(device)
+    if target.type == "cuda" and not torch.cuda.is_available():
+        msg = "device is CUDA, but torch.cuda.is_available() is False on this machine."
+        raise RuntimeError(msg)
+    saved = _flags.save_raw_state()
+    torch._dynamo.reset()
+    breaks_before = _graph_breaks()
+    try:
+        precision = Fp32Precision(default, True)  # type: ignore[arg-type]
+        set_process_default(precision)
+        torch.manual_seed(0)
+        nodes = [_Node(name, cls().to(target), backend, precision) for name, cls in _NODES]
+        x = torch.randn(_BATCH, _FEATURES // 2, generator=torch.Generator().manual_seed(0)).to(target)
+        # An engine runs all forwards on one thread: the flags are process-wide, and
+        # fp32scope refuses a scope on a second thread while one is active.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix=_FORWARD_THREAD) as forward:
+            start = time.perf_counter()
+            forward.submit(_warmup, nodes, x).result()
+            if target.type == "cuda" and torch.cuda.is_available():
+                forward.submit(_capture, nodes, x).result()
+            warmup_s = time.perf_counter() - start
+            probe = forward.submit(_effect_probe, precision, target).result()
+            start = time.perf_counter()
+            for _ in range(steps):
+                forward.submit(_step, nodes, x, probe > 0.0).result()
+            steps_s = time.perf_counter() - start
+        for node in nodes:
+            node.result.recompiles = node.counter.graphs - node.result.graphs
+        return DemoResult(
+            device=str(target),
+            backend=backend,
+            default=precision,
+            steps=steps,
+            nodes=[node.result for node in nodes],
+            graph_breaks=_graph_breaks() - breaks_before,
+            recompile_counting=_RECOMPILE_METHOD,
+            effect_probe_max_abs_diff=probe,
+            warmup_s=warmup_s,
+            steps_s=steps_s,
+        )
+    finally:
+        _flags.restore_raw_state(saved)
+
+
+def _show(precision: Fp32Precision | None) -> str:
+    if precision is None:
+        return "-"
+    cudnn = {None: "", True: "/cudnn-tf32", False: "/cudnn-fp32"}[precision.cudnn_allow_tf32]
+    return f"{precision.matmul or '-'}{cudnn}"
+
+
+def _error(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+def render(result: DemoResult) -> str:
+    """The result as the short table the ``demo`` command prints."""
+    r = result
+    rows = [["node", "declares", "ran with", "before call", "after call", "graphs", "recompiles", "err", "fp32 err"]]
+    rows += [
+        [
+            *(n.name, _show(n.declared), _show(n.ran_with), _show(n.before), _show(n.after)),
+            *(str(n.graphs), str(n.recompiles), _error(n.max_abs_error), _error(n.full_fp32_error)),
+        ]
+        for n in r.nodes
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    thread = r.nodes[0].forward_thread if r.nodes else None
+    captured = ", CUDA graph capture" if any(n.cuda_graph for n in r.nodes) else ""
+    lines = [
+        (
+            f"fp32scope demo: {len(r.nodes)} torch.compile'd nodes, backend {r.backend!r}, device {r.device}, "
+            f"forwards on thread {thread!r}"
+        ),
+        f"process default: {_show(r.default)} (fp32scope.set_process_default, once at start-up)",
+        f"warmup (compiles{captured}) {r.warmup_s:.1f} s; {r.steps} measured steps {r.steps_s:.3f} s",
+        "",
+        *table,
+        "",
+        (
+            "precision: matmul precision / cuDNN TF32; 'ran with' is read inside the node's call (a forward "
+            "pre-hook on the compiled module, inside the scope), 'before/after call' is "
+            "fp32scope.current_fp32_precision() on the forward thread."
+        ),
+        (
+            f"graphs, recompiles: counted by {r.recompile_counting}; graph breaks: {r.graph_breaks} "
+            "(torch._dynamo.utils.counters['graph_break'])."
+        ),
+    ]
+    if r.numeric_effect:
+        lines.append(
+            f"numeric effect: visible on {r.device} at default {r.default.matmul!r} (a 256x256 matmul differs "
+            f"from 'highest' by up to {r.effect_probe_max_abs_diff:.1e}). err: max abs error of the node's "
+            "output against a float64 copy of the node on the same input; fp32 err: the same for the "
+            "node run eagerly in full float32."
+        )
+    else:
+        lines.append(
+            f"numeric effect: none visible at default {r.default.matmul!r} on {r.device} (a 256x256 float32 "
+            "matmul gives bit-identical results under it and under 'highest'), so no errors are shown."
+        )
+    lines.append("all nodes ok." if r.ok else "PROBLEM: a node ran with the wrong precision, recompiled, or broke.")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``demo`` command's options to ``parser``."""
+    parser.add_argument(
+        "--default",
+        choices=MATMUL_PRECISIONS,
+        default="high",
+        help="the process default matmul precision (default: high; on a bf16-capable CPU, medium shows an effect)",
+    )
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend (default: inductor)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device (default: cpu)")
+    parser.add_argument("--steps", type=int, default=_STEPS, help=f"measured steps after warmup (default: {_STEPS})")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo and print it; 0 when every node behaved, 1 otherwise, 2 for a bad request."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("fp32scope demo: --device cuda, but torch.cuda.is_available() is False on this machine.")
+        return 2
+    if args.steps < 1:
+        print(f"fp32scope demo: --steps must be at least 1; got {args.steps}.")
+        return 2
+    result = run_demo(default=args.default, backend=args.backend, device=args.device, steps=args.steps)
+    print(json.dumps(result.as_json(), indent=2) if args.json else render(result))
+    return 0 if result.ok else 1

@@ -1,0 +1,272 @@
+"""``python -m fp32scope doctor``: checks that the process's float32 precision state is consistent.
+
+torch keeps each flag twice, in the legacy API and in the per-backend ``fp32_precision``
+API (torch >= 2.9). Writes through one API do not always update the other, and the two can
+then disagree: a legacy getter raises, or (worse) answers a stale value without raising.
+The doctor reads every flag without changing any, names each disagreement, and says how to
+make the state consistent again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+
+from fp32scope import _flags
+
+__all__ = ["CudaDevice", "Diagnosis", "Problem", "add_arguments", "diagnose", "render", "run"]
+
+Reading = str | bool
+
+# What the legacy matmul enum makes each new-API matmul slot read when both agree.
+# "none" resolves to "none" all the way up, which torch treats as full fp32, like "ieee".
+_AGREES_CUDA: dict[str, tuple[str, ...]] = {
+    "highest": ("ieee", "none"),
+    "high": ("tf32",),
+    "medium": ("tf32",),
+}
+_AGREES_MKLDNN: dict[str, tuple[str, ...]] = {
+    "highest": ("ieee", "none"),
+    "high": ("tf32",),
+    "medium": ("bf16",),
+}
+
+_NO_MIXING = (
+    "Do not mix torch.backends.*.fp32_precision writes with the legacy API "
+    "(torch.set_float32_matmul_precision, torch.backends.*.allow_tf32) in one process."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One disagreement: the field it concerns (``"matmul"`` or ``"cudnn"``) and what is wrong."""
+
+    field: str
+    flags: tuple[str, ...]
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaDevice:
+    """One CUDA device and whether it has TF32 tensor cores."""
+
+    index: int
+    name: str
+    capability: str
+    tf32: bool | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    """Everything the doctor found; ``consistent`` decides the exit status."""
+
+    torch_version: str
+    has_new_api: bool
+    readings: dict[str, Reading]
+    effective: dict[str, object]
+    cuda_available: bool
+    cuda_devices: tuple[CudaDevice, ...]
+    cpu_capability: str | None
+    problems: tuple[Problem, ...]
+    fix: str | None
+
+    @property
+    def consistent(self) -> bool:
+        """True when no legacy getter raises and every legacy reading agrees with the new API."""
+        return not self.problems
+
+    def as_json(self) -> dict[str, object]:
+        """The diagnosis as JSON-ready data (the ``--json`` output)."""
+        data = dataclasses.asdict(self)
+        data["consistent"] = self.consistent
+        return data
+
+
+def _raise_problems(readings: dict[str, Reading]) -> list[Problem]:
+    slot = _flags.SLOT_NAMES
+    matmul_readers = "Inductor's autotuning, libraries"
+    checks = (
+        (_flags.LEGACY_MATMUL, "matmul", (slot["cuda", "matmul"], slot["mkldnn", "matmul"]), matmul_readers),
+        (_flags.LEGACY_CUBLAS, "matmul", (slot["cuda", "matmul"],), matmul_readers),
+        (_flags.LEGACY_CUDNN, "cudnn", (slot["cuda", "conv"], slot["cuda", "rnn"]), "torch.backends.cudnn.flags()"),
+    )
+    problems = []
+    for legacy, field, new, readers in checks:
+        if readings[legacy] == _flags.RAISES:
+            shown = ", ".join(f"{name} = {readings[name]!r}" for name in new)
+            message = (
+                f"{legacy} raises RuntimeError: torch found that the legacy value it keeps disagrees "
+                f"with the new API ({shown}), so no legacy read of this flag works; code that reads it "
+                f"({readers}) fails."
+            )
+            problems.append(Problem(field, (legacy, *new), message))
+    return problems
+
+
+def _stale(legacy: str, legacy_value: Reading, new: str, new_value: Reading, meaning: str) -> str:
+    return (
+        f"{legacy} reads {legacy_value!r} but {new} reads {new_value!r}: the legacy reading is stale "
+        f"(no error is raised), and {meaning}."
+    )
+
+
+def _stale_problems(readings: dict[str, Reading]) -> list[Problem]:
+    slot = _flags.SLOT_NAMES
+    problems = []
+    e = readings[_flags.LEGACY_MATMUL]
+    if isinstance(e, str) and e in _AGREES_CUDA:
+        for backend, agrees, kernels in (
+            ("cuda", _AGREES_CUDA, "cuBLAS"),
+            ("mkldnn", _AGREES_MKLDNN, "oneDNN (CPU)"),
+        ):
+            name = slot[backend, "matmul"]
+            value = readings[name]
+            if value not in agrees[e]:
+                meaning = f"{kernels} float32 matmuls follow {name}"
+                problems.append(
+                    Problem(
+                        "matmul",
+                        (_flags.LEGACY_MATMUL, name),
+                        _stale(_flags.LEGACY_MATMUL, e, name, value, meaning),
+                    )
+                )
+    cublas = readings[_flags.LEGACY_CUBLAS]
+    name = slot["cuda", "matmul"]
+    if isinstance(cublas, bool) and cublas is not (readings[name] == "tf32"):
+        meaning = f"cuBLAS float32 matmuls follow {name}"
+        problems.append(
+            Problem(
+                "matmul",
+                (_flags.LEGACY_CUBLAS, name),
+                _stale(_flags.LEGACY_CUBLAS, cublas, name, readings[name], meaning),
+            )
+        )
+    cudnn = readings[_flags.LEGACY_CUDNN]
+    if isinstance(cudnn, bool):
+        for op in ("conv", "rnn"):
+            name = slot["cuda", op]
+            if cudnn is not (readings[name] == "tf32"):
+                meaning = f"cuDNN {op} kernels follow {name}"
+                problems.append(
+                    Problem(
+                        "cudnn",
+                        (_flags.LEGACY_CUDNN, name),
+                        _stale(_flags.LEGACY_CUDNN, cudnn, name, readings[name], meaning),
+                    )
+                )
+    return problems
+
+
+def _fix(problems: list[Problem], matmul: str, cudnn: bool) -> str | None:
+    fields = {p.field for p in problems}
+    if not fields:
+        return None
+    m = repr(matmul) if "matmul" in fields else "None"
+    c = repr(cudnn) if "cudnn" in fields else "None"
+    torch_calls = []
+    if "matmul" in fields:
+        torch_calls.append(f"torch.set_float32_matmul_precision({matmul!r})")
+    if "cudnn" in fields:
+        torch_calls.append(f"torch.backends.cudnn.allow_tf32 = {cudnn!r}")
+    return (
+        f"Call fp32scope.set_process_default(Fp32Precision({m}, {c})) once at start-up, or "
+        f"{' and '.join(torch_calls)}: each writes the legacy and the new API consistently. "
+        f"The values shown keep the least precise setting the process uses now "
+        f"(fp32scope.current_fp32_precision()); use Fp32Precision('highest', False) for full float32 "
+        f"everywhere. {_NO_MIXING}"
+    )
+
+
+def _cuda_devices() -> tuple[CudaDevice, ...]:
+    if not torch.cuda.is_available():
+        return ()
+    devices = []
+    for index in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(index)
+        # TF32 tensor cores arrived with Ampere (compute capability 8.0); ROCm's numbering differs.
+        tf32 = None if torch.version.hip else major >= 8
+        devices.append(CudaDevice(index, torch.cuda.get_device_name(index), f"{major}.{minor}", tf32))
+    return tuple(devices)
+
+
+def _cpu_capability() -> str | None:
+    getter = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    return str(getter()) if callable(getter) else None
+
+
+def diagnose() -> Diagnosis:
+    """Read every float32 precision flag (changing none) and check that the two APIs agree."""
+    from fp32scope._process import current_fp32_precision
+
+    readings = _flags.read_all()
+    problems: list[Problem] = []
+    if _flags.HAS_NEW_API:
+        problems = _raise_problems(readings) + _stale_problems(readings)
+    effective = current_fp32_precision()
+    return Diagnosis(
+        torch_version=str(torch.__version__),
+        has_new_api=_flags.HAS_NEW_API,
+        readings=readings,
+        effective=effective._asdict(),
+        cuda_available=torch.cuda.is_available(),
+        cuda_devices=_cuda_devices(),
+        cpu_capability=_cpu_capability(),
+        problems=tuple(problems),
+        fix=_fix(problems, str(effective.matmul), bool(effective.cudnn_allow_tf32)),
+    )
+
+
+def render(diagnosis: Diagnosis) -> str:
+    """The diagnosis as the text the ``doctor`` command prints."""
+    d = diagnosis
+    api = (
+        "legacy + per-backend fp32_precision (torch >= 2.9)"
+        if d.has_new_api
+        else "legacy only (no fp32_precision API before torch 2.9)"
+    )
+    lines = [f"torch {d.torch_version}; precision APIs: {api}"]
+    if d.cuda_available:
+        for dev in d.cuda_devices:
+            tf32 = {
+                True: "TF32 supported",
+                False: "no TF32 (needs compute capability >= 8.0)",
+                None: "TF32: ROCm",
+            }
+            lines.append(f"CUDA device {dev.index}: {dev.name}, compute capability {dev.capability}, {tf32[dev.tf32]}")
+    else:
+        lines.append("CUDA: not available (the cuBLAS and cuDNN TF32 flags have no effect here)")
+    if d.cpu_capability is not None:
+        lines.append(f"CPU capability: {d.cpu_capability} (oneDNN float32 matmuls follow mkldnn.matmul)")
+    lines.append("")
+    lines.append("readings:")
+    width = max(map(len, d.readings))
+    lines.extend(
+        f"  {name:<{width}}  {value if value == _flags.RAISES else repr(value)}" for name, value in d.readings.items()
+    )
+    lines.append(f"effective (fp32scope.current_fp32_precision()): {d.effective}")
+    lines.append("")
+    if d.consistent:
+        lines.append("consistent: the legacy and new readings agree and no getter raises.")
+    else:
+        lines.append(f"MIXED: {len(d.problems)} problem(s):")
+        lines.extend(f"  {i}. {p.message}" for i, p in enumerate(d.problems, 1))
+        lines.append(f"fix: {d.fix}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``doctor`` command's options to ``parser``."""
+    parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the diagnosis; 0 when the state is consistent, 1 when it is mixed."""
+    diagnosis = diagnose()
+    if args.json:
+        print(json.dumps(diagnosis.as_json(), indent=2))
+    else:
+        print(render(diagnosis))
+    return 0 if diagnosis.consistent else 1

@@ -1,0 +1,143 @@
+"""``python -m fp32scope demo``: nodes run with their precision, on the forward thread, without recompiling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fp32scope import Fp32Precision, _flags
+from fp32scope.__main__ import main
+from fp32scope._demo import NodeResult, run_demo
+
+ROOT = Path(__file__).resolve().parent.parent
+HIGH = {"matmul": "high", "cudnn_allow_tf32": True}
+MEDIUM = {"matmul": "medium", "cudnn_allow_tf32": True}
+FULL = {"matmul": "highest", "cudnn_allow_tf32": False}
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
+    status = main(["demo", "--backend", "eager", "--json", *args])
+    data: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return status, data
+
+
+def test_each_node_runs_with_its_precision_and_leaves_the_default(capsys: pytest.CaptureFixture[str]) -> None:
+    torch.set_float32_matmul_precision("highest")
+    readings = _flags.read_all()
+    status, data = run_json(capsys)
+    assert status == 0
+    assert data["ok"] is True
+    assert data["default"] == HIGH
+    nodes = {node["name"]: node for node in data["nodes"]}
+    assert list(nodes) == ["embed", "body", "head"]
+    assert nodes["head"]["declared"] == FULL
+    assert nodes["embed"]["declared"] is None
+    assert [nodes[n]["ran_with"] for n in ("embed", "body", "head")] == [HIGH, HIGH, FULL]
+    for node in nodes.values():
+        assert node["before"] == HIGH
+        assert node["after"] == HIGH
+        assert node["graphs"] == 1
+        assert node["recompiles"] == 0
+        assert node["forward_thread"].startswith("fp32scope-forward")
+        assert node["cuda_graph"] is False
+    assert data["graph_breaks"] == 0
+    # The demo restores the caller's flags.
+    assert _flags.read_all() == readings
+
+
+def test_medium_default_changes_the_default_nodes_but_not_the_fp32_one(capsys: pytest.CaptureFixture[str]) -> None:
+    status, data = run_json(capsys, "--default", "medium", "--steps", "1")
+    assert status == 0
+    nodes = {node["name"]: node for node in data["nodes"]}
+    assert [nodes[n]["ran_with"] for n in ("embed", "body", "head")] == [MEDIUM, MEDIUM, FULL]
+    if not data["numeric_effect"]:
+        assert all(node["max_abs_error"] is None for node in nodes.values())
+        pytest.skip("'medium' (bf16 in oneDNN) changes no float32 result on this CPU")
+    # The eager backend runs the same kernels as the eager module: under its full-fp32
+    # scope the head's error is exactly the full-fp32 error, while the others' grows.
+    assert nodes["head"]["max_abs_error"] == nodes["head"]["full_fp32_error"]
+    for name in ("embed", "body"):
+        assert nodes[name]["max_abs_error"] > nodes[name]["full_fp32_error"] > 0.0
+
+
+def test_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--backend", "eager", "--steps", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("node "))
+    assert lines[header].split() == [
+        "node",
+        "declares",
+        "ran",
+        "with",
+        "before",
+        "call",
+        "after",
+        "call",
+        "graphs",
+        "recompiles",
+        "err",
+        "fp32",
+        "err",
+    ]
+    head = lines[header + 3].split()
+    assert head[:7] == [
+        "head",
+        "highest/cudnn-fp32",
+        "highest/cudnn-fp32",
+        "high/cudnn-tf32",
+        "high/cudnn-tf32",
+        "1",
+        "0",
+    ]
+    assert lines[-1] == "all nodes ok."
+    assert "fp32scope demo: 3 torch.compile'd nodes, backend 'eager', device cpu" in lines[0]
+
+
+def test_problem_detection() -> None:
+    expected = Fp32Precision("highest", False)
+    good = NodeResult("n", expected, expected, ran_with=expected, forward_thread="fp32scope-forward_0")
+    good.before = good.after = Fp32Precision("high", True)
+    assert good.ok
+    for change in (
+        {"recompiles": 1},
+        {"ran_with": Fp32Precision("high", True)},
+        {"after": Fp32Precision("highest", True)},
+        {"forward_thread": "MainThread"},
+    ):
+        bad = NodeResult(**{**good.__dict__, **change})
+        assert not bad.ok, change
+
+
+def test_bad_requests(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--backend", "eager", "--steps", "0"]) == 2
+    assert "--steps must be at least 1" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert main(["demo", "--device", "cuda"]) == 2
+        assert "torch.cuda.is_available() is False" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="default must be one of"):
+        run_demo(default="HIGH", backend="eager")
+
+
+@pytest.mark.compile
+def test_inductor_demo_as_nox_runs_it() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "fp32scope", "demo", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(done.stdout)
+    assert data["backend"] == "inductor"
+    assert data["ok"] is True
+    assert [node["recompiles"] for node in data["nodes"]] == [0, 0, 0]
+    assert [node["ran_with"] for node in data["nodes"]] == [HIGH, HIGH, FULL]
+    assert data["warmup_s"] < 60

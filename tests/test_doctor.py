@@ -1,0 +1,176 @@
+"""``python -m fp32scope doctor``: mixed states reached with real torch writes, in fresh processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fp32scope import _flags
+from fp32scope.__main__ import main
+
+ROOT = Path(__file__).resolve().parent.parent
+MATMUL = _flags.LEGACY_MATMUL
+CUBLAS = _flags.LEGACY_CUBLAS
+CUDNN = _flags.LEGACY_CUDNN
+
+needs_new_api = pytest.mark.skipif(not _flags.HAS_NEW_API, reason="mixed states need torch's fp32_precision API")
+
+
+def doctor(setup: str, *args: str) -> tuple[int, str]:
+    """Run ``setup`` in a fresh interpreter, then the doctor's main; its exit status and stdout."""
+    code = (
+        textwrap.dedent(setup)
+        + f"\nfrom fp32scope.__main__ import main\nraise SystemExit(main(['doctor', *{args!r}]))\n"
+    )
+    # The command is this interpreter running code built here from the tests' literals.
+    done = subprocess.run(  # noqa: S603
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode in (0, 1), done.stderr
+    return done.returncode, done.stdout
+
+
+def doctor_json(setup: str) -> tuple[int, dict[str, Any]]:
+    status, out = doctor(setup, "--json")
+    data: dict[str, Any] = json.loads(out)
+    return status, data
+
+
+def test_fresh_process_is_consistent() -> None:
+    status, data = doctor_json("")
+    assert status == 0
+    assert data["consistent"] is True
+    assert data["problems"] == []
+    assert data["fix"] is None
+    assert data["torch_version"] == str(torch.__version__)
+    assert data["has_new_api"] is _flags.HAS_NEW_API
+    assert data["readings"][MATMUL] == "highest"
+    assert data["cuda_available"] is torch.cuda.is_available()
+
+
+@needs_new_api
+def test_stale_legacy_matmul_and_raising_cublas_getter() -> None:
+    # The example from torch's own error: the legacy matmul getter still says "high" while
+    # cuBLAS runs in full fp32, and the legacy cuBLAS getter raises.
+    status, data = doctor_json("""
+        import torch
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+    """)
+    assert status == 1
+    assert data["consistent"] is False
+    assert data["readings"][MATMUL] == "high"
+    assert data["readings"][CUBLAS] == _flags.RAISES
+    messages = [p["message"] for p in data["problems"]]
+    assert any(m.startswith(f"{CUBLAS} raises RuntimeError") for m in messages), messages
+    assert any(
+        f"{MATMUL} reads 'high' but torch.backends.cuda.matmul.fp32_precision reads 'ieee'" in m for m in messages
+    ), messages
+    assert {p["field"] for p in data["problems"]} == {"matmul"}
+    assert "fp32scope.set_process_default(Fp32Precision('high', None))" in data["fix"]
+    assert "torch.set_float32_matmul_precision('high')" in data["fix"]
+    assert "Do not mix torch.backends.*.fp32_precision writes with the legacy API" in data["fix"]
+
+
+@needs_new_api
+def test_stale_without_any_raise() -> None:
+    # No getter raises here: only comparing the two APIs shows that oneDNN runs in fp32.
+    status, data = doctor_json("""
+        import torch
+        torch.set_float32_matmul_precision("high")
+        torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+    """)
+    assert status == 1
+    assert _flags.RAISES not in data["readings"].values()
+    assert len(data["problems"]) == 1
+    problem = data["problems"][0]
+    assert problem["flags"] == [MATMUL, "torch.backends.mkldnn.matmul.fp32_precision"]
+    assert "reads 'high' but torch.backends.mkldnn.matmul.fp32_precision reads 'ieee'" in problem["message"]
+
+
+@needs_new_api
+def test_raising_legacy_matmul_getter() -> None:
+    status, data = doctor_json("""
+        import torch
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    """)
+    assert status == 1
+    assert data["readings"][MATMUL] == _flags.RAISES
+    assert data["problems"][0]["message"].startswith(f"{MATMUL} raises RuntimeError")
+    # current_fp32_precision() reports the least precise setting in use: bf16 is "medium".
+    assert data["effective"] == {"matmul": "medium", "cudnn_allow_tf32": True}
+    assert "Fp32Precision('medium', None)" in data["fix"]
+
+
+@needs_new_api
+def test_cudnn_conv_and_rnn_disagree() -> None:
+    status, out = doctor("""
+        import torch
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+    """)
+    assert status == 1
+    assert "MIXED: 1 problem(s):" in out
+    assert f"{CUDNN} raises RuntimeError" in out
+    assert "torch.backends.cudnn.conv.fp32_precision = 'ieee', torch.backends.cudnn.rnn.fp32_precision = 'tf32'" in out
+    assert "fix: Call fp32scope.set_process_default(Fp32Precision(None, True))" in out
+    assert "torch.backends.cudnn.allow_tf32 = True" in out
+
+
+@needs_new_api
+@pytest.mark.parametrize(
+    ("mix", "fix"),
+    [
+        (
+            'torch.set_float32_matmul_precision("high"); torch.backends.cuda.matmul.fp32_precision = "ieee"',
+            'fp32scope.set_process_default(Fp32Precision("high", None))',
+        ),
+        ('torch.backends.mkldnn.matmul.fp32_precision = "bf16"', 'torch.set_float32_matmul_precision("medium")'),
+        (
+            'torch.backends.cudnn.conv.fp32_precision = "ieee"',
+            "fp32scope.set_process_default(Fp32Precision(None, False))",
+        ),
+    ],
+    ids=["matmul-set_process_default", "matmul-torch", "cudnn-set_process_default"],
+)
+def test_following_the_fix_makes_the_state_consistent(mix: str, fix: str) -> None:
+    status, data = doctor_json(f"""
+        import torch, fp32scope
+        from fp32scope import Fp32Precision
+        {mix}
+        {fix}
+    """)
+    assert status == 0, data["problems"]
+    assert data["consistent"] is True
+
+
+def test_text_output_of_a_consistent_process(capsys: pytest.CaptureFixture[str]) -> None:
+    torch.set_float32_matmul_precision("high")
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__}; precision APIs: " in out
+    assert f"  {MATMUL}  " in out
+    assert "'high'" in out
+    assert "consistent: the legacy and new readings agree and no getter raises." in out
+    assert ("CUDA: not available" in out) is not torch.cuda.is_available()
+
+
+def test_doctor_changes_no_flag() -> None:
+    torch.set_float32_matmul_precision("medium")
+    before = _flags.save_raw_state()
+    readings = _flags.read_all()
+    assert main(["doctor", "--json"]) == 0
+    assert _flags.save_raw_state() == before
+    assert _flags.read_all() == readings
+
+
+def test_command_is_required() -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code == 2

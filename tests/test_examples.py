@@ -1,0 +1,75 @@
+"""Each script in examples/ runs as a user would run it, exits 0 and prints what it shows."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TIMEOUT_S = 120
+
+
+def run_example(name: str) -> str:
+    """Run ``examples/<name>`` in a fresh interpreter; return its stdout, failing on a non-zero exit."""
+    result = subprocess.run(  # noqa: S603
+        [sys.executable, str(EXAMPLES / name)],
+        cwd=EXAMPLES.parent,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert result.returncode == 0, f"{name} exited {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def test_every_example_is_tested() -> None:
+    tested = {"compiled_nodes.py", "cuda_graph_capture.py", "engine_threads.py", "multiprocess_workers.py"}
+    tested |= {"pytest_plugin_suite.py"}
+    assert {p.name for p in EXAMPLES.glob("*.py")} == tested
+
+
+@pytest.mark.compile
+def test_compiled_nodes() -> None:
+    out = run_example("compiled_nodes.py")
+    assert "inside head    Fp32Precision(matmul='highest', cudnn_allow_tf32=False)" in out
+    assert "inside decode  Fp32Precision(matmul='medium', cudnn_allow_tf32=True)" in out
+    assert "the process default is back after every call: Fp32Precision(matmul='high', cudnn_allow_tf32=True)" in out
+
+
+def test_cuda_graph_capture() -> None:
+    out = run_example("cuda_graph_capture.py")
+    if "No CUDA device" in out:
+        assert "capture_cuda_graph on this machine: RuntimeError: capture_cuda_graph needs a CUDA device" in out
+        assert "calling the proxy gives 'graph replayed', run in Fp32Precision(matmul='highest'" in out
+        assert "the wrapped module holds it: True" in out
+    else:
+        assert "capture_cuda_graph: replay matches the eager call: True" in out
+        assert "make_graphed_callables: graphed is the proxy: True" in out
+
+
+def test_engine_threads() -> None:
+    out = run_example("engine_threads.py")
+    assert "plan thread reads:              Fp32Precision(matmul='highest', cudnn_allow_tf32=False)" in out
+    assert "plan thread got Fp32ScopeError: Cannot enter an fp32_precision_scope on thread 'plan'" in out
+    assert "while thread 'forward'" in out
+    assert "process default is back:        Fp32Precision(matmul='high', cudnn_allow_tf32=True)" in out
+
+
+def test_multiprocess_workers() -> None:
+    out = run_example("multiprocess_workers.py")
+    assert "every worker ran with its own default and its node's precision" in out
+    assert out.count("inside the node Fp32Precision(matmul='highest', cudnn_allow_tf32=False)") == 4
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("fp32scope._pytest_plugin") is None, reason="fp32scope._pytest_plugin is not there yet"
+)
+def test_pytest_plugin_suite() -> None:
+    out = run_example("pytest_plugin_suite.py")
+    assert "1. the suite, with --fp32scope-strict:\n   pytest exit status 0: 3 passed" in out
+    assert "strict mode reports: torch.get_float32_matmul_precision(): 'highest' -> 'medium'" in out
