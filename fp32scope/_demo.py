@@ -201,6 +201,16 @@ def _effect_probe(default: Fp32Precision, device: torch.device) -> float:
     return float((reduced - full).abs().max())
 
 
+def _expected(declared: Fp32Precision | None, default: Fp32Precision) -> Fp32Precision:
+    # A declared field replaces the default's; a field left None keeps it.
+    if declared is None:
+        return default
+    return Fp32Precision(
+        declared.matmul if declared.matmul is not None else default.matmul,
+        declared.cudnn_allow_tf32 if declared.cudnn_allow_tf32 is not None else default.cudnn_allow_tf32,
+    )
+
+
 class _Node:
     """One loaded node: the scoped compiled module, its counting backend, and its float64 twin."""
 
@@ -212,16 +222,7 @@ class _Node:
         compiled = cast("torch.nn.Module", torch.compile(module, backend=self.counter))
         declared = node_fp32_precision(name, compiled)
         self.scoped = Fp32ScopedModule(compiled, declared, name=name)
-        self.result = NodeResult(
-            name,
-            declared,
-            Fp32Precision(
-                declared.matmul if declared and declared.matmul else default.matmul,
-                declared.cudnn_allow_tf32
-                if declared and declared.cudnn_allow_tf32 is not None
-                else default.cudnn_allow_tf32,
-            ),
-        )
+        self.result = NodeResult(name, declared, _expected(declared, default))
         # A pre-hook on the compiled module runs eagerly inside the node's call, within its
         # scope and before the compiled graph: a read inside the compiled forward itself
         # would be a graph break.
@@ -414,6 +415,10 @@ def run(args: argparse.Namespace) -> int:
     """Run the demo and print it; 0 when every node behaved, 1 otherwise, 2 for a bad request."""
     if args.device == "cuda" and not torch.cuda.is_available():
         print("fp32scope demo: --device cuda, but torch.cuda.is_available() is False on this machine.")
+        return 2
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if args.backend not in backends:
+        print(f"fp32scope demo: unknown --backend {args.backend!r}; torch.compile knows {', '.join(backends)}.")
         return 2
     if args.steps < 1:
         print(f"fp32scope demo: --steps must be at least 1; got {args.steps}.")

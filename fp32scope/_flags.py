@@ -210,7 +210,7 @@ if HAS_NEW_API:
         except RuntimeError:
             return False
 
-    def apply(t: str | None, b: bool | None) -> Token:
+    def apply(t: str | None, b: bool | None) -> Token:  # noqa: C901  (hot path: straight-line on purpose)
         """Apply the fields that are not None; returns the token :func:`restore` takes.
 
         A field that already holds is not written (and nothing of it is saved). "Holds" is

@@ -117,6 +117,8 @@ def test_problem_detection() -> None:
 def test_bad_requests(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--backend", "eager", "--steps", "0"]) == 2
     assert "--steps must be at least 1" in capsys.readouterr().out
+    assert main(["demo", "--backend", "no-such-backend"]) == 2
+    assert "unknown --backend 'no-such-backend'; torch.compile knows " in capsys.readouterr().out
     if not torch.cuda.is_available():
         assert main(["demo", "--device", "cuda"]) == 2
         assert "torch.cuda.is_available() is False" in capsys.readouterr().out

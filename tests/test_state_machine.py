@@ -35,11 +35,11 @@ MATMUL_NAMES = (
 CUDNN_NAMES = (_flags.LEGACY_CUDNN, _flags.SLOT_NAMES["cuda", "conv"], _flags.SLOT_NAMES["cuda", "rnn"])
 
 
-class Boom(Exception):
+class BoomError(Exception):
     pass
 
 
-EXCEPTIONS: list[type[BaseException] | None] = [None, Boom, KeyboardInterrupt]
+EXCEPTIONS: list[type[BaseException] | None] = [None, BoomError, KeyboardInterrupt]
 
 
 def holds(model: TorchModel, precision: Fp32Precision) -> bool:

@@ -1,0 +1,113 @@
+"""set_process_default and current_fp32_precision."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from fp32scope import Fp32Precision, _flags, current_fp32_precision, set_process_default
+from tests.torch_model import TorchModel
+
+ALL = [Fp32Precision(m, c) for m in ("highest", "high", "medium") for c in (True, False)]
+
+
+@pytest.mark.parametrize("precision", ALL, ids=str)
+def test_set_process_default_is_consistent_in_both_apis(precision: Fp32Precision) -> None:
+    # Start from a mixed state with tf32 parents, the hardest place to be consistent from.
+    torch.backends.fp32_precision = "tf32"
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    set_process_default(precision)
+    readings = _flags.read_all()
+    assert _flags.RAISES not in readings.values()
+    assert torch.get_float32_matmul_precision() == precision.matmul
+    assert torch.backends.cuda.matmul.allow_tf32 is (precision.matmul != "highest")
+    assert torch.backends.cudnn.allow_tf32 is precision.cudnn_allow_tf32
+    tf32 = "tf32" if precision.cudnn_allow_tf32 else None
+    for op in ("conv", "rnn"):
+        assert (getattr(torch.backends.cudnn, op).fp32_precision == "tf32") is (tf32 is not None)
+    if not precision.cudnn_allow_tf32:
+        assert torch.backends.cudnn.fp32_precision != "tf32"
+    assert current_fp32_precision() == precision
+
+
+def test_a_none_field_is_left_as_it_is() -> None:
+    torch.set_float32_matmul_precision("medium")
+    before = _flags.read_all()
+    set_process_default(Fp32Precision(None, False))
+    after = _flags.read_all()
+    for name in (_flags.LEGACY_MATMUL, _flags.LEGACY_CUBLAS, _flags.SLOT_NAMES["mkldnn", "matmul"]):
+        assert after[name] == before[name]
+    set_process_default(None)
+    set_process_default(Fp32Precision())
+    assert _flags.read_all() == after
+
+
+@pytest.mark.parametrize(
+    ("writes", "expected"),
+    [
+        # "high", then cuBLAS set to ieee: the legacy getter still says "high" (stale) and the
+        # cuBLAS one raises; oneDNN still uses tf32, so the least precise setting is "high".
+        ([("legacy", "high"), (("cuda", "matmul"), "ieee")], Fp32Precision("high", True)),
+        ([("legacy", "high"), (("cuda", "matmul"), "ieee"), (("mkldnn", "matmul"), "ieee")], Fp32Precision("highest", True)),
+        ([(("mkldnn", "matmul"), "bf16")], Fp32Precision("medium", True)),
+        ([(("cuda", "matmul"), "tf32")], Fp32Precision("high", True)),
+        ([(("cuda", "conv"), "ieee")], Fp32Precision("highest", True)),  # rnn still tf32
+        ([(("cuda", "conv"), "ieee"), (("cuda", "rnn"), "ieee")], Fp32Precision("highest", False)),
+        # cudnn.allow_tf32 = False under a tf32 parent: conv and rnn still resolve to tf32.
+        ([(("generic", "all"), "tf32"), ("cudnn", "False")], Fp32Precision("high", True)),
+    ],
+)
+def test_current_in_mixed_states_reports_the_least_precise_setting(
+    writes: list[tuple[object, str]], expected: Fp32Precision
+) -> None:
+    for key, value in writes:
+        if key == "legacy":
+            torch.set_float32_matmul_precision(value)
+        elif key == "cudnn":
+            torch.backends.cudnn.allow_tf32 = value == "True"
+        else:
+            setattr(_slot_object(key), "fp32_precision", value)  # type: ignore[arg-type]
+    assert _flags.RAISES in _flags.read_all().values()
+    assert current_fp32_precision() == expected
+
+
+def _slot_object(key: tuple[str, str]) -> object:
+    *path, _ = _flags.SLOT_NAMES[key].split(".")
+    obj: object = torch
+    for part in path[1:]:
+        obj = getattr(obj, part)
+    return obj
+
+
+writes = st.lists(
+    st.one_of(
+        st.tuples(st.just("legacy"), st.sampled_from(["highest", "high", "medium"])),
+        st.tuples(st.just("cudnn"), st.booleans()),
+        st.tuples(st.sampled_from([(b, o) for b, o, _ in _flags.SLOTS]), st.sampled_from(["none", "ieee", "tf32"])),
+    ),
+    max_size=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(writes)
+def test_current_never_raises_and_agrees_with_torch_when_consistent(sequence: list[tuple[object, object]]) -> None:
+    model = TorchModel()
+    _flags.restore_raw_state(model.raw())
+    for key, value in sequence:
+        if key == "legacy":
+            model.set_matmul_precision(str(value))
+        elif key == "cudnn":
+            model.set_cudnn_allow_tf32(bool(value))
+        else:
+            model.set_slot(*key, str(value))  # type: ignore[misc]
+    current = current_fp32_precision()
+    assert current.matmul in ("highest", "high", "medium")
+    assert type(current.cudnn_allow_tf32) is bool
+    readings = _flags.read_all()
+    if readings[_flags.LEGACY_MATMUL] != _flags.RAISES and readings[_flags.LEGACY_CUBLAS] != _flags.RAISES:
+        assert current.matmul == torch.get_float32_matmul_precision()
+    if readings[_flags.LEGACY_CUDNN] != _flags.RAISES:
+        assert current.cudnn_allow_tf32 is torch.backends.cudnn.allow_tf32

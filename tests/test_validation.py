@@ -1,0 +1,130 @@
+"""Bad input: a clear error naming the field, the value and what is allowed, before anything changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import fp32scope
+from fp32scope import (
+    Fp32Precision,
+    Fp32ScopedModule,
+    fp32_precision_scope,
+    node_fp32_precision,
+    set_process_default,
+    with_fp32_precision,
+)
+from fp32scope import _flags
+
+
+def fn() -> None:
+    pass
+
+
+ENTRY_POINTS = {
+    "fp32_precision_scope": fp32_precision_scope,
+    "set_process_default": set_process_default,
+    "with_fp32_precision": with_fp32_precision,
+    "Fp32ScopedModule": lambda p: Fp32ScopedModule(torch.nn.Linear(1, 1), p),
+}
+
+
+@pytest.fixture(params=sorted(ENTRY_POINTS))
+def entry(request: pytest.FixtureRequest) -> Any:
+    return ENTRY_POINTS[request.param]
+
+
+@pytest.mark.parametrize(
+    ("precision", "error", "fragments"),
+    [
+        (Fp32Precision("HIGH"), ValueError, ["precision.matmul", "'HIGH'", "'highest', 'high', 'medium'", "lower case"]),
+        (Fp32Precision("fast"), ValueError, ["precision.matmul", "'fast'", "'highest', 'high', 'medium'"]),
+        (Fp32Precision("tf32"), ValueError, ["precision.matmul", "'tf32'"]),
+        (Fp32Precision(3), TypeError, ["precision.matmul", "3", "int", "'highest'"]),  # type: ignore[arg-type]
+        (Fp32Precision(None, 1), TypeError, ["precision.cudnn_allow_tf32", "1", "int", "True, False or None"]),  # type: ignore[arg-type]
+        (Fp32Precision("high", "yes"), TypeError, ["precision.cudnn_allow_tf32", "'yes'", "str"]),  # type: ignore[arg-type]
+        (Fp32Precision(["high"]), TypeError, ["precision.matmul", "['high']", "list"]),  # type: ignore[arg-type]
+        (("high", True), TypeError, ["precision", "Fp32Precision", "tuple"]),
+        ("high", TypeError, ["precision", "'high'", "str", "Fp32Precision"]),
+        ({"matmul": "high"}, TypeError, ["precision", "dict"]),
+    ],
+)
+def test_bad_precision_is_refused_before_anything_changes(
+    entry: Any, precision: object, error: type[Exception], fragments: list[str]
+) -> None:
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cuda.matmul.fp32_precision = "ieee"  # a mixed state, to be left exactly as it is
+    before_readings, before_raw = _flags.read_all(), _flags.save_raw_state()
+    with pytest.raises(error) as info:
+        entry(precision)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message
+    assert _flags.read_all() == before_readings
+    assert _flags.save_raw_state() == before_raw
+
+
+def test_numpy_like_bools_are_refused() -> None:
+    # torch would take 0/1; a scope that silently took 0 for False is a mix-up waiting to happen.
+    with pytest.raises(TypeError, match="cudnn_allow_tf32"):
+        fp32_precision_scope(Fp32Precision("high", 0))  # type: ignore[arg-type]
+
+
+def test_torch_itself_only_warns_where_we_refuse() -> None:
+    with pytest.warns(UserWarning):
+        torch.set_float32_matmul_precision("HIGH")
+    assert torch.get_float32_matmul_precision() == "highest"
+    with pytest.raises(ValueError, match="lower case: 'high'"):
+        set_process_default(Fp32Precision("HIGH"))  # type: ignore[arg-type]
+
+
+class Declares(torch.nn.Module):
+    def __init__(self, matmul: object = None, cudnn: object = None) -> None:
+        super().__init__()
+        if matmul is not None:
+            self.float32_matmul_precision = matmul
+        if cudnn is not None:
+            self.cudnn_allow_tf32 = cudnn
+
+
+@pytest.mark.parametrize(
+    ("module", "error", "fragments"),
+    [
+        (Declares("fp32"), ValueError, ["node 'head'", "float32_matmul_precision", "'fp32'", "'highest'"]),
+        (Declares("Highest"), ValueError, ["node 'head'", "use lower case: 'highest'"]),
+        (Declares(None, "no"), TypeError, ["node 'head'", "cudnn_allow_tf32", "'no'", "True, False or None"]),
+        (Declares(32), TypeError, ["node 'head'", "float32_matmul_precision", "32", "int"]),
+    ],
+)
+def test_node_declaration_errors_name_the_node(module: torch.nn.Module, error: type[Exception], fragments: list[str]) -> None:
+    with pytest.raises(error) as info:
+        node_fp32_precision("head", module)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_node_name_must_be_a_str() -> None:
+    with pytest.raises(TypeError, match="node_name must be a str; got 3"):
+        node_fp32_precision(3, torch.nn.Linear(1, 1))  # type: ignore[arg-type]
+
+
+def test_wrapper_arguments_are_checked() -> None:
+    with pytest.raises(TypeError, match="name must be a str or None; got 5"):
+        with_fp32_precision(Fp32Precision("high"), name=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="must decorate a callable; got 3"):
+        with_fp32_precision(Fp32Precision("high"))(3)  # type: ignore[type-var]
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        Fp32ScopedModule(fn, Fp32Precision("high"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="name must be a str or None"):
+        Fp32ScopedModule(torch.nn.Linear(1, 1), Fp32Precision("high"), name=1)  # type: ignore[arg-type]
+
+
+def test_public_names_are_exported_and_documented() -> None:
+    for name in fp32scope.__all__:
+        obj = getattr(fp32scope, name)
+        assert obj.__doc__, name
+    # (pytest rewrites the package as a plugin's and adds "@py_builtins"-like names: not identifiers.)
+    public = {n for n in dir(fp32scope) if n.isidentifier() and not n.startswith("_")} - {"annotations"}
+    assert public == set(fp32scope.__all__)
