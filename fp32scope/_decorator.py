@@ -74,9 +74,9 @@ def with_fp32_precision(precision: Fp32Precision | None, *, name: str | None = N
             msg = f"with_fp32_precision(...) must decorate a callable; got {target!r} of type {type(target).__name__}."
             raise TypeError(msg)
         label = name if name is not None else getattr(target, "__qualname__", type(target).__qualname__)
-        _refuse_suspending(target, label)
         if fields is None:
-            return target
+            return target  # no scope, so nothing can leak across a suspension point
+        _refuse_suspending(target, label)
         if isinstance(target, torch.nn.Module):
             return Fp32ScopedModule(target, checked, name=label)  # type: ignore[return-value]
         _dynamo_exclude.ensure()

@@ -45,7 +45,7 @@ def _default_name(module: object) -> str:
     return type(inner).__qualname__
 
 
-class Fp32ScopedModule(wrapt.BaseObjectProxy[torch.nn.Module]):
+class Fp32ScopedModule(wrapt.BaseObjectProxy[Any]):
     """A ``torch.nn.Module`` (typically ``torch.compile``'d) whose every call runs in a scope.
 
     The proxy is transparent: ``isinstance`` against the wrapped module's classes holds,
@@ -71,7 +71,9 @@ class Fp32ScopedModule(wrapt.BaseObjectProxy[torch.nn.Module]):
 
     def __init__(
         self,
-        module: torch.nn.Module,
+        # torch.compile(module) is typed as returning a plain callable; it is an nn.Module
+        # at run time, which is checked below.
+        module: torch.nn.Module | Callable[..., Any],
         precision: Fp32Precision | None,
         *,
         name: str | None = None,

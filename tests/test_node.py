@@ -27,7 +27,7 @@ def test_instance_attributes_and_partial_declarations() -> None:
 
 def test_instance_overrides_class() -> None:
     module = FullFp32(2, 2)
-    module.float32_matmul_precision = "high"  # type: ignore[assignment]
+    module.float32_matmul_precision = "high"
     assert node_fp32_precision("n", module) == Fp32Precision("high", False)
 
 

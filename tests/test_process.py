@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import hypothesis.strategies as st
 import pytest
 import torch
@@ -16,7 +18,7 @@ ALL = [Fp32Precision(m, c) for m in ("highest", "high", "medium") for c in (True
 @pytest.mark.parametrize("precision", ALL, ids=str)
 def test_set_process_default_is_consistent_in_both_apis(precision: Fp32Precision) -> None:
     # Start from a mixed state with tf32 parents, the hardest place to be consistent from.
-    torch.backends.fp32_precision = "tf32"
+    torch.backends.fp32_precision = "tf32"  # type: ignore[attr-defined]
     torch.backends.cuda.matmul.fp32_precision = "ieee"
     set_process_default(precision)
     readings = _flags.read_all()
@@ -50,7 +52,10 @@ def test_a_none_field_is_left_as_it_is() -> None:
         # "high", then cuBLAS set to ieee: the legacy getter still says "high" (stale) and the
         # cuBLAS one raises; oneDNN still uses tf32, so the least precise setting is "high".
         ([("legacy", "high"), (("cuda", "matmul"), "ieee")], Fp32Precision("high", True)),
-        ([("legacy", "high"), (("cuda", "matmul"), "ieee"), (("mkldnn", "matmul"), "ieee")], Fp32Precision("highest", True)),
+        (
+            [("legacy", "high"), (("cuda", "matmul"), "ieee"), (("mkldnn", "matmul"), "ieee")],
+            Fp32Precision("highest", True),
+        ),
         ([(("mkldnn", "matmul"), "bf16")], Fp32Precision("medium", True)),
         ([(("cuda", "matmul"), "tf32")], Fp32Precision("high", True)),
         ([(("cuda", "conv"), "ieee")], Fp32Precision("highest", True)),  # rnn still tf32
@@ -68,7 +73,7 @@ def test_current_in_mixed_states_reports_the_least_precise_setting(
         elif key == "cudnn":
             torch.backends.cudnn.allow_tf32 = value == "True"
         else:
-            setattr(_slot_object(key), "fp32_precision", value)  # type: ignore[arg-type]
+            _slot_object(key).fp32_precision = value  # type: ignore[arg-type, attr-defined]
     assert _flags.RAISES in _flags.read_all().values()
     assert current_fp32_precision() == expected
 
@@ -93,7 +98,7 @@ writes = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(writes)
-def test_current_never_raises_and_agrees_with_torch_when_consistent(sequence: list[tuple[object, object]]) -> None:
+def test_current_never_raises_and_agrees_with_torch_when_consistent(sequence: list[tuple[Any, Any]]) -> None:
     model = TorchModel()
     _flags.restore_raw_state(model.raw())
     for key, value in sequence:
@@ -102,7 +107,7 @@ def test_current_never_raises_and_agrees_with_torch_when_consistent(sequence: li
         elif key == "cudnn":
             model.set_cudnn_allow_tf32(bool(value))
         else:
-            model.set_slot(*key, str(value))  # type: ignore[misc]
+            model.set_slot(key[0], key[1], str(value))
     current = current_fp32_precision()
     assert current.matmul in ("highest", "high", "medium")
     assert type(current.cudnn_allow_tf32) is bool

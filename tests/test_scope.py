@@ -24,10 +24,10 @@ def legacy() -> tuple[str, bool]:
 @pytest.mark.parametrize("default", ALL[:4:3], ids=str)
 def test_applies_inside_and_restores_exactly(precision: Fp32Precision, default: Fp32Precision) -> None:
     torch.set_float32_matmul_precision(default.matmul)  # type: ignore[arg-type]
-    torch.backends.cudnn.allow_tf32 = default.cudnn_allow_tf32
+    torch.backends.cudnn.allow_tf32 = bool(default.cudnn_allow_tf32)
     before, raw = _flags.read_all(), _flags.save_raw_state()
     with fp32_precision_scope(precision):
-        assert legacy() == precision
+        assert legacy() == tuple(precision)
         assert torch.backends.cuda.matmul.allow_tf32 is (precision.matmul != "highest")
         inside = _flags.read_all()
         assert _flags.RAISES not in inside.values()
@@ -50,7 +50,7 @@ def test_restores_when_the_block_raises_and_the_exception_propagates_unchanged(e
 
 def test_never_trips_torchs_mixed_state_error() -> None:
     # The states torch's own cudnn.flags() crashes in.
-    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    torch.backends.cudnn.conv.fp32_precision = "ieee"  # type: ignore[attr-defined]
     torch.set_float32_matmul_precision("high")
     torch.backends.cuda.matmul.fp32_precision = "ieee"
     with pytest.raises(RuntimeError, match="mix of the legacy and new APIs"):
@@ -192,8 +192,8 @@ def test_cudnn_false_under_a_tf32_parent_leaves_matmul_alone() -> None:
         inside = _flags.read_all()
         assert torch.backends.cudnn.allow_tf32 is False
         assert torch.backends.cudnn.fp32_precision != "tf32"
-        assert torch.backends.cudnn.conv.fp32_precision != "tf32"
-        assert torch.backends.cudnn.rnn.fp32_precision != "tf32"
+        assert torch.backends.cudnn.conv.fp32_precision != "tf32"  # type: ignore[attr-defined]
+        assert torch.backends.cudnn.rnn.fp32_precision != "tf32"  # type: ignore[attr-defined]
         assert [inside[n] for n in matmul_names] == [before[n] for n in matmul_names]
     assert _flags.save_raw_state() == raw
 
@@ -239,7 +239,10 @@ def test_refusal_message_is_raised_as_fp32_scope_error(monkeypatch: pytest.Monke
     # What Dynamo sees while tracing: is_compiling() is True there.
     monkeypatch.setattr(_scope, "_is_compiling", lambda: True)
     raw = _flags.save_raw_state()
-    with pytest.raises(Fp32ScopeError, match="Wrap the compiled callable instead"), fp32_precision_scope(Fp32Precision("high")):
+    with (
+        pytest.raises(Fp32ScopeError, match="Wrap the compiled callable instead"),
+        fp32_precision_scope(Fp32Precision("high")),
+    ):
         pass
     assert _flags.save_raw_state() == raw
     assert _scope.active_scope_thread() is None

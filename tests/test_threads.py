@@ -30,7 +30,7 @@ def held_on_thread(precision: Fp32Precision, name: str = "forward") -> Iterator[
             with fp32_precision_scope(precision):
                 inside.set()
                 release.wait(10)
-        except BaseException as error:  # noqa: BLE001  (reported to the test below)
+        except BaseException as error:
             errors.append(error)
             inside.set()
 
@@ -51,7 +51,7 @@ def run_on(name: str, fn: Callable[[], object]) -> BaseException | None:
     def target() -> None:
         try:
             fn()
-        except BaseException as error:  # noqa: BLE001
+        except BaseException as error:
             result[0] = error
 
     thread = threading.Thread(target=target, name=name)
@@ -60,7 +60,9 @@ def run_on(name: str, fn: Callable[[], object]) -> BaseException | None:
     return result[0]
 
 
-@pytest.mark.parametrize("other", [Fp32Precision("high", True), Fp32Precision("highest", False), Fp32Precision("medium")])
+@pytest.mark.parametrize(
+    "other", [Fp32Precision("high", True), Fp32Precision("highest", False), Fp32Precision("medium")]
+)
 def test_a_second_thread_cannot_enter_and_touches_nothing(other: Fp32Precision) -> None:
     torch.set_float32_matmul_precision("high")
     with held_on_thread(Fp32Precision("highest", False)):

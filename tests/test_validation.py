@@ -11,12 +11,12 @@ import fp32scope
 from fp32scope import (
     Fp32Precision,
     Fp32ScopedModule,
+    _flags,
     fp32_precision_scope,
     node_fp32_precision,
     set_process_default,
     with_fp32_precision,
 )
-from fp32scope import _flags
 
 
 def fn() -> None:
@@ -39,9 +39,13 @@ def entry(request: pytest.FixtureRequest) -> Any:
 @pytest.mark.parametrize(
     ("precision", "error", "fragments"),
     [
-        (Fp32Precision("HIGH"), ValueError, ["precision.matmul", "'HIGH'", "'highest', 'high', 'medium'", "lower case"]),
-        (Fp32Precision("fast"), ValueError, ["precision.matmul", "'fast'", "'highest', 'high', 'medium'"]),
-        (Fp32Precision("tf32"), ValueError, ["precision.matmul", "'tf32'"]),
+        (
+            Fp32Precision("HIGH"),  # type: ignore[arg-type]
+            ValueError,
+            ["precision.matmul", "'HIGH'", "'highest', 'high', 'medium'", "lower case"],
+        ),
+        (Fp32Precision("fast"), ValueError, ["precision.matmul", "'fast'", "'highest', 'high', 'medium'"]),  # type: ignore[arg-type]
+        (Fp32Precision("tf32"), ValueError, ["precision.matmul", "'tf32'"]),  # type: ignore[arg-type]
         (Fp32Precision(3), TypeError, ["precision.matmul", "3", "int", "'highest'"]),  # type: ignore[arg-type]
         (Fp32Precision(None, 1), TypeError, ["precision.cudnn_allow_tf32", "1", "int", "True, False or None"]),  # type: ignore[arg-type]
         (Fp32Precision("high", "yes"), TypeError, ["precision.cudnn_allow_tf32", "'yes'", "str"]),  # type: ignore[arg-type]
@@ -73,7 +77,7 @@ def test_numpy_like_bools_are_refused() -> None:
 
 
 def test_torch_itself_only_warns_where_we_refuse() -> None:
-    with pytest.warns(UserWarning):
+    with pytest.warns(UserWarning, match="HIGH is not one of"):
         torch.set_float32_matmul_precision("HIGH")
     assert torch.get_float32_matmul_precision() == "highest"
     with pytest.raises(ValueError, match="lower case: 'high'"):
@@ -98,7 +102,9 @@ class Declares(torch.nn.Module):
         (Declares(32), TypeError, ["node 'head'", "float32_matmul_precision", "32", "int"]),
     ],
 )
-def test_node_declaration_errors_name_the_node(module: torch.nn.Module, error: type[Exception], fragments: list[str]) -> None:
+def test_node_declaration_errors_name_the_node(
+    module: torch.nn.Module, error: type[Exception], fragments: list[str]
+) -> None:
     with pytest.raises(error) as info:
         node_fp32_precision("head", module)
     for fragment in fragments:
@@ -113,10 +119,10 @@ def test_node_name_must_be_a_str() -> None:
 def test_wrapper_arguments_are_checked() -> None:
     with pytest.raises(TypeError, match="name must be a str or None; got 5"):
         with_fp32_precision(Fp32Precision("high"), name=5)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="must decorate a callable; got 3"):
+    with pytest.raises(TypeError, match=r"must decorate a callable; got 3"):
         with_fp32_precision(Fp32Precision("high"))(3)  # type: ignore[type-var]
     with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
-        Fp32ScopedModule(fn, Fp32Precision("high"))  # type: ignore[arg-type]
+        Fp32ScopedModule(fn, Fp32Precision("high"))
     with pytest.raises(TypeError, match="name must be a str or None"):
         Fp32ScopedModule(torch.nn.Linear(1, 1), Fp32Precision("high"), name=1)  # type: ignore[arg-type]
 
