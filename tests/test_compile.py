@@ -13,7 +13,14 @@ import torch._dynamo
 import torch._dynamo.testing
 from torch._dynamo.utils import counters
 
-from fp32scope import Fp32Precision, Fp32ScopedModule, _flags, set_process_default, with_fp32_precision
+from fp32scope import (
+    Fp32Precision,
+    Fp32ScopedModule,
+    _flags,
+    fp32_precision_scope,
+    set_process_default,
+    with_fp32_precision,
+)
 
 pytestmark = pytest.mark.compile
 
@@ -88,11 +95,10 @@ def bf16_effect_visible() -> bool:
     """Whether "medium" changes float32 matmul results on this CPU (oneDNN bf16)."""
     torch.manual_seed(0)
     a, b = torch.randn(64, 256), torch.randn(256, 256)
-    torch.set_float32_matmul_precision("highest")
-    full = a @ b
-    torch.set_float32_matmul_precision("medium")
-    reduced = a @ b
-    torch.set_float32_matmul_precision("highest")
+    with fp32_precision_scope(Fp32Precision("highest")):
+        full = a @ b
+    with fp32_precision_scope(Fp32Precision("medium")):
+        reduced = a @ b
     return not torch.equal(full, reduced)
 
 

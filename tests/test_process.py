@@ -67,6 +67,7 @@ def test_a_none_field_is_left_as_it_is() -> None:
 def test_current_in_mixed_states_reports_the_least_precise_setting(
     writes: list[tuple[object, str]], expected: Fp32Precision
 ) -> None:
+    _flags.restore_raw_state(TorchModel().raw())  # from a fresh process's state
     for key, value in writes:
         if key == "legacy":
             torch.set_float32_matmul_precision(value)
