@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 
 import torch
@@ -260,10 +261,23 @@ def render(diagnosis: Diagnosis) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``doctor`` command's options to ``parser``."""
     parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    parser.add_argument(
+        "--import",
+        dest="modules",
+        metavar="MODULE",
+        action="append",
+        default=[],
+        help=(
+            "import MODULE first (repeatable), so that the flags it sets at import time, e.g. an "
+            "engine's configuration module, are what the doctor checks"
+        ),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the diagnosis; 0 when the state is consistent, 1 when it is mixed."""
+    for module in args.modules:
+        importlib.import_module(module)
     diagnosis = diagnose()
     if args.json:
         print(json.dumps(diagnosis.as_json(), indent=2))

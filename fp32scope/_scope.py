@@ -124,9 +124,14 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
     equals ``precision.matmul`` and the legacy and new readings of each applied flag agree.
 
     Raises :class:`~fp32scope.Fp32ScopeError` on entry inside a region that
-    ``torch.compile`` is tracing, or on one thread while another thread is inside a scope
+    ``torch.compile`` is tracing (Dynamo turns it into a graph break, so the frame runs
+    eagerly, or under ``fullgraph=True`` into an error carrying the message: wrap the
+    compiled callable instead), or on one thread while another thread is inside a scope
     (the flags are process-wide). Warns :class:`~fp32scope.Fp32FlagsChangedWarning` on exit
-    when the block changed the flags the scope applied. None, or a precision with both
+    when the block changed the flags the scope applied. Where the flags already hold the
+    precision (torch's legacy getters say so without raising), nothing is saved or
+    written, and on exit only a block that broke the precision is undone (by applying it
+    again). None, or a precision with both
     fields None, makes a scope that touches nothing. The same object may be re-entered and
     nested; exits restore last-in, first-out.
 

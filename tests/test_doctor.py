@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -174,3 +175,23 @@ def test_command_is_required() -> None:
     with pytest.raises(SystemExit) as exc:
         main([])
     assert exc.value.code == 2
+
+
+@needs_new_api
+def test_import_option_checks_what_a_module_sets_at_import(tmp_path: Path) -> None:
+    (tmp_path / "engine_config.py").write_text(
+        'import torch\ntorch.set_float32_matmul_precision("high")\ntorch.backends.cuda.matmul.fp32_precision = "ieee"\n'
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "fp32scope", "doctor", "--import", "engine_config", "--json"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    data = json.loads(done.stdout)
+    assert data["readings"][CUBLAS] == _flags.RAISES
+    assert data["consistent"] is False
