@@ -201,10 +201,14 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
         if token is None:
             return
         self._token = self._outer.pop() if self._outer else None
+        global _depth  # noqa: PLW0603
         try:
             changed = _restore(token)
         finally:
-            _release()
+            # _release(), inline: this runs on every scoped call.
+            _depth -= 1
+            if _depth == 0:
+                _owner.pop(0, None)
         if changed is not None:
             _warn_changed(changed, self._name, self._stacklevel)
 
