@@ -210,7 +210,7 @@ if HAS_NEW_API:
         except RuntimeError:
             return False
 
-    def apply(t: str | None, b: bool | None) -> Token:  # noqa: C901  (hot path: straight-line on purpose)
+    def apply(t: str | None, b: bool | None) -> Token:  # noqa: C901, PLR0912, PLR0915  (hot path: one flat function on purpose)
         """Apply the fields that are not None; returns the token :func:`restore` takes.
 
         A field that already holds is not written (and nothing of it is saved). "Holds" is
@@ -257,49 +257,44 @@ if HAS_NEW_API:
         if b is None:
             return (t, b, sm, None)
         try:
-            return (t, b, sm, _apply_cudnn(b, all_reading, pin_matmul=sm is None))
+            try:
+                cur: bool | None = _GB()
+            except RuntimeError:
+                cur = None
+            if cur is b:
+                # No raise: conv and rnn both read tf32 iff b.
+                if b:
+                    return (t, b, sm, None)
+                if all_reading is None:
+                    all_reading = _G("cuda", "all")
+                if all_reading != "tf32":
+                    return (t, b, sm, all_reading)  # held; the reading lets a flip be undone
+            elif all_reading is None:
+                all_reading = _G("cuda", "all")
+            conv = _G("cuda", "conv")
+            rnn = _G("cuda", "rnn")
+            conv_raw = conv if conv == "none" or conv != all_reading else raw_op("cuda", "conv", all_reading)
+            rnn_raw = rnn if rnn == "none" or rnn != all_reading else raw_op("cuda", "rnn", all_reading)
+            if cur is None:
+                cur = legacy_cudnn(conv, rnn, conv_raw, rnn_raw)
+            all_raw: str | None = None
+            matmul_raw: str | None = None
+            if not b and all_reading == "tf32":
+                all_raw = raw_all("cuda")
+                if sm is None:  # this scope leaves the matmul precision alone: pin it
+                    matmul_raw = raw_op("cuda", "matmul", all_reading)
+            # The legacy setter writes conv and rnn as "none" for False; they then resolve
+            # through cuda/all, which after this reads ieee or none: never tf32.
+            _SB(b)
+            if all_raw is not None:
+                if matmul_raw == "none":
+                    _S("cuda", "matmul", "tf32")
+                _S("cuda", "all", "ieee")
         except BaseException:
             if sm is not None:  # only an interrupt or a torch error gets here: undo the matmul field
                 restore((t, None, sm, None))
             raise
-
-    def _apply_cudnn(  # noqa: C901  (hot path: straight-line on purpose, one call)
-        b: bool, all_reading: str | None, *, pin_matmul: bool
-    ) -> CudnnSaved | str | None:
-        try:
-            cur: bool | None = _GB()
-        except RuntimeError:
-            cur = None
-        if cur is b:
-            # No raise: conv and rnn both read tf32 iff b.
-            if b:
-                return None
-            if all_reading is None:
-                all_reading = _G("cuda", "all")
-            if all_reading != "tf32":
-                return all_reading  # held; kept so that a flip can be undone
-        elif all_reading is None:
-            all_reading = _G("cuda", "all")
-        conv = _G("cuda", "conv")
-        rnn = _G("cuda", "rnn")
-        conv_raw = conv if conv == "none" or conv != all_reading else raw_op("cuda", "conv", all_reading)
-        rnn_raw = rnn if rnn == "none" or rnn != all_reading else raw_op("cuda", "rnn", all_reading)
-        if cur is None:
-            cur = legacy_cudnn(conv, rnn, conv_raw, rnn_raw)
-        all_raw: str | None = None
-        matmul_raw: str | None = None
-        if not b and all_reading == "tf32":
-            all_raw = raw_all("cuda")
-            if pin_matmul:
-                matmul_raw = raw_op("cuda", "matmul", all_reading)
-        # The legacy setter writes conv and rnn as "none" for False; they then resolve
-        # through cuda/all, which after this reads ieee or none: never tf32.
-        _SB(b)
-        if all_raw is not None:
-            if matmul_raw == "none":
-                _S("cuda", "matmul", "tf32")
-            _S("cuda", "all", "ieee")
-        return (cur, conv_raw, rnn_raw, all_raw, matmul_raw)
+        return (t, b, sm, (cur, conv_raw, rnn_raw, all_raw, matmul_raw))
 
     def restore(token: Token) -> str | None:  # noqa: C901, PLR0912  (hot path: inlined on purpose)
         """Undo what :func:`apply` did; say what the block changed, if it changed what was applied.
@@ -335,7 +330,10 @@ if HAS_NEW_API:
                 if isinstance(sc, str) and _G("cuda", "all") != sc:
                     _S("cuda", "all", sc)
         if t is not None:
-            ok = _matmul_held(t)
+            try:  # _matmul_held, inline
+                ok = _GM() == t and (t == "highest" or _GBLAS() is True)
+            except RuntimeError:
+                ok = False
             if not ok:
                 found = describe("matmul precision", t, MATMUL_READINGS)
                 note = found if note is None else f"{found}; {note}"
