@@ -224,3 +224,28 @@ def test_a_decorated_function_inside_a_compiled_function_breaks_cleanly() -> Non
     torch.set_float32_matmul_precision("high")
     torch.testing.assert_close(torch.compile(outer, backend="eager")(x), outer(x))
     assert torch.get_float32_matmul_precision() == "high"
+
+
+def test_compiling_the_proxy_itself_also_runs_the_module_in_its_scope() -> None:
+    # The usual way is Fp32ScopedModule(torch.compile(m)); torch.compile(Fp32ScopedModule(m))
+    # must not trace the scope either: the proxy's call stays eager, the module compiles inside.
+    seen: list[str] = []
+
+    class Recording(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+            self.register_forward_pre_hook(lambda m, a: seen.append(torch.get_float32_matmul_precision()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.linear(x)
+            return out
+
+    module = Recording()
+    compiled = torch.compile(Fp32ScopedModule(module, FULL), backend="eager")
+    set_process_default(Fp32Precision("high", True))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), module(x))
+    assert seen[0] == "highest"
+    assert torch.get_float32_matmul_precision() == "high"
