@@ -40,9 +40,22 @@ __all__ = [
 
 _C = torch._C
 
-#: True when torch has the per-backend ``fp32_precision`` API (torch >= 2.9). Detected by
-#: presence, not by version, so that backports and nightlies are handled as they are.
-HAS_NEW_API: Final[bool] = hasattr(_C, "_get_fp32_precision_getter") and hasattr(_C, "_set_fp32_precision_setter")
+
+def _has_new_api() -> bool:
+    # Detected by presence, not by version, so that backports and nightlies are handled as
+    # they are. torch 2.7 and 2.8 shipped an earlier form of the same getters whose slots
+    # read "default" (no "none"/"ieee" vocabulary); fp32scope uses the legacy API there.
+    if not (hasattr(_C, "_get_fp32_precision_getter") and hasattr(_C, "_set_fp32_precision_setter")):
+        return False
+    try:
+        readings = [_C._get_fp32_precision_getter(b, o) for b, o in (("generic", "all"), ("cuda", "matmul"))]
+    except RuntimeError:
+        return False
+    return all(r in {"none", "ieee", "tf32", "bf16"} for r in readings)
+
+
+#: True when torch has the per-backend ``fp32_precision`` API in its torch >= 2.9 form.
+HAS_NEW_API: Final[bool] = _has_new_api()
 
 #: The value a reading takes in :func:`read_all` when torch's getter raises (mixed state).
 RAISES: Final[str] = "<raises: mixed legacy/new API state>"
