@@ -12,7 +12,7 @@ from typing import cast
 import pytest
 import torch
 
-from fp32scope import Fp32Precision, Fp32ScopedModule, capture_cuda_graph, set_process_default
+from fp32scope import Fp32Precision, Fp32ScopedModule, capture_cuda_graph
 
 pytestmark = [
     pytest.mark.gpu,
@@ -67,6 +67,16 @@ def errors_under(precision: str, a: torch.Tensor, b: torch.Tensor, reference: to
     return error(a @ b, reference)
 
 
+@pytest.fixture
+def threshold(operands: tuple[torch.Tensor, ...]) -> float:
+    """An error between full-fp32's and TF32's; the process default is then "high"."""
+    a, b, reference = operands
+    full = errors_under("highest", a, b, reference)
+    tf32 = errors_under("high", a, b, reference)
+    set_process_default(Fp32Precision("high", True))
+    return (full + tf32) / 4
+
+
 @needs_tf32
 def test_tf32_changes_a_large_matmul_against_float64(operands: tuple[torch.Tensor, ...]) -> None:
     a, b, reference = operands
@@ -76,25 +86,23 @@ def test_tf32_changes_a_large_matmul_against_float64(operands: tuple[torch.Tenso
 
 
 @needs_tf32
-def test_a_scoped_compiled_module_gives_full_fp32_under_a_high_default(operands: tuple[torch.Tensor, ...]) -> None:
+def test_a_scoped_compiled_module_gives_full_fp32_under_a_high_default(
+    operands: tuple[torch.Tensor, ...], threshold: float
+) -> None:
     a, b, reference = operands
-    full = errors_under("highest", a, b, reference)
-    tf32 = errors_under("high", a, b, reference)
-    set_process_default(Fp32Precision("high", True))
     node = Fp32ScopedModule(torch.compile(MatmulNode(b)), FULL)
     with torch.no_grad():
         for _ in range(3):
             out = node(a)
     assert torch.get_float32_matmul_precision() == "high"
-    assert error(out, reference) < (full + tf32) / 4
+    assert error(out, reference) < threshold
 
 
 @needs_tf32
-def test_a_graph_captured_in_the_scope_replays_in_full_fp32_afterwards(operands: tuple[torch.Tensor, ...]) -> None:
+def test_a_graph_captured_in_the_scope_replays_in_full_fp32_afterwards(
+    operands: tuple[torch.Tensor, ...], threshold: float
+) -> None:
     a, b, reference = operands
-    full = errors_under("highest", a, b, reference)
-    tf32 = errors_under("high", a, b, reference)
-    set_process_default(Fp32Precision("high", True))
     node = Fp32ScopedModule(MatmulNode(b), FULL)
     static_a = a.clone()
     with torch.no_grad():
@@ -102,21 +110,18 @@ def test_a_graph_captured_in_the_scope_replays_in_full_fp32_afterwards(operands:
     assert torch.get_float32_matmul_precision() == "high"  # the scope has exited
     out: torch.Tensor = graphed(a).clone()
     torch.cuda.synchronize()
-    assert error(out, reference) < (full + tf32) / 4
+    assert error(out, reference) < threshold
     # Control: a graph captured under the default replays with TF32.
     unscoped = capture_cuda_graph(MatmulNode(b), [static_a.clone()])
     replayed: torch.Tensor = unscoped(a)
-    assert error(replayed.clone(), reference) > (full + tf32) / 4
+    assert error(replayed.clone(), reference) > threshold
 
 
 @needs_tf32
 def test_make_graphed_callables_on_a_scoped_module_replays_the_graph_in_full_fp32(
-    operands: tuple[torch.Tensor, ...],
+    operands: tuple[torch.Tensor, ...], threshold: float
 ) -> None:
     a, b, reference = operands
-    full = errors_under("highest", a, b, reference)
-    tf32 = errors_under("high", a, b, reference)
-    set_process_default(Fp32Precision("high", True))
     module = MatmulNode(b)
     node = Fp32ScopedModule(module, FULL)
     sample = a.clone().requires_grad_(False)
@@ -126,23 +131,20 @@ def test_make_graphed_callables_on_a_scoped_module_replays_the_graph_in_full_fp3
     with torch.no_grad():
         out = cast("torch.Tensor", node(a))
     torch.cuda.synchronize()
-    assert error(out, reference) < (full + tf32) / 4
+    assert error(out, reference) < threshold
 
 
 @needs_tf32
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
-def test_compile_modes_honor_the_scope(mode: str, operands: tuple[torch.Tensor, ...]) -> None:
+def test_compile_modes_honor_the_scope(mode: str, operands: tuple[torch.Tensor, ...], threshold: float) -> None:
     a, b, reference = operands
-    full = errors_under("highest", a, b, reference)
-    tf32 = errors_under("high", a, b, reference)
-    set_process_default(Fp32Precision("high", True))
     node = Fp32ScopedModule(torch.compile(MatmulNode(b), mode=mode), FULL)
     with torch.no_grad():
         for _ in range(4):  # warmup, record, replay
             out = node(a).clone()
     torch.cuda.synchronize()
     assert torch.get_float32_matmul_precision() == "high"
-    assert error(out, reference) < (full + tf32) / 4
+    assert error(out, reference) < threshold
 
 
 def test_capture_helper_checks_its_inputs() -> None:
