@@ -12,7 +12,7 @@ from typing import cast
 import pytest
 import torch
 
-from fp32scope import Fp32Precision, Fp32ScopedModule, capture_cuda_graph
+from fp32scope import Fp32Precision, Fp32ScopedModule, capture_cuda_graph, set_process_default
 
 pytestmark = [
     pytest.mark.gpu,
