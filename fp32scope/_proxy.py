@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import wrapt
@@ -45,7 +45,13 @@ def _default_name(module: object) -> str:
     return type(inner).__qualname__
 
 
-class Fp32ScopedModule(wrapt.BaseObjectProxy[Any]):
+if TYPE_CHECKING:
+    _ProxyBase = wrapt.BaseObjectProxy[Any]
+else:  # subscripting at run time needs a newer wrapt than the 2.0 this library supports
+    _ProxyBase = wrapt.BaseObjectProxy
+
+
+class Fp32ScopedModule(_ProxyBase):
     """A ``torch.nn.Module`` (typically ``torch.compile``'d) whose every call runs in a scope.
 
     The proxy is transparent: ``isinstance`` against the wrapped module's classes holds,
