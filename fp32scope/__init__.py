@@ -9,14 +9,51 @@ callable.
 
 from __future__ import annotations
 
-from fp32scope._cuda_graphs import CapturedCudaGraph, capture_cuda_graph
-from fp32scope._decorator import with_fp32_precision
-from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
-from fp32scope._node import node_fp32_precision
-from fp32scope._precision import Fp32Precision
-from fp32scope._process import current_fp32_precision, set_process_default
-from fp32scope._proxy import Fp32ScopedModule, precision_of
-from fp32scope._scope import fp32_precision_scope
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fp32scope._cuda_graphs import CapturedCudaGraph, capture_cuda_graph
+    from fp32scope._decorator import with_fp32_precision
+    from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
+    from fp32scope._node import node_fp32_precision
+    from fp32scope._precision import Fp32Precision
+    from fp32scope._process import current_fp32_precision, set_process_default
+    from fp32scope._proxy import Fp32ScopedModule, precision_of
+    from fp32scope._scope import fp32_precision_scope
+
+# Public names load on first use (PEP 562): the pytest plugin lives in this package and is
+# loaded by every pytest run of an environment that has fp32scope, and it must not import
+# torch (about a second) unless a test uses it.
+_HOMES = {
+    "CapturedCudaGraph": "_cuda_graphs",
+    "capture_cuda_graph": "_cuda_graphs",
+    "with_fp32_precision": "_decorator",
+    "Fp32FlagsChangedWarning": "_errors",
+    "Fp32ScopeError": "_errors",
+    "node_fp32_precision": "_node",
+    "Fp32Precision": "_precision",
+    "current_fp32_precision": "_process",
+    "set_process_default": "_process",
+    "Fp32ScopedModule": "_proxy",
+    "precision_of": "_proxy",
+    "fp32_precision_scope": "_scope",
+}
+
+
+def __getattr__(name: str) -> object:
+    home = _HOMES.get(name)
+    if home is None:
+        msg = f"module 'fp32scope' has no attribute {name!r}"
+        raise AttributeError(msg)
+    value = getattr(importlib.import_module(f"fp32scope.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __version__ = "0.1.0"
 

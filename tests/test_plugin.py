@@ -191,3 +191,10 @@ def test_plugin_module_imports_no_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert done.stdout.strip() == "[]"
+
+
+def test_loading_the_plugin_imports_no_torch() -> None:
+    # pytest loads the plugin in every run of an environment with fp32scope installed.
+    code = "import sys, fp32scope._pytest_plugin, fp32scope; print(sorted(m for m in sys.modules if m == 'torch'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)  # noqa: S603
+    assert done.stdout.strip() == "[]"
