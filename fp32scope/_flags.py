@@ -339,9 +339,12 @@ if HAS_NEW_API:
                 if rnn_raw != written:
                     _S("cuda", "rnn", rnn_raw)
             elif not ok:
+                # The scope saved nothing: re-establish b. For False, cuda/all goes back to the
+                # reading it had, or "ieee" where that was an inherited "none" that a parent
+                # the block changed now turns into tf32.
                 _SB(b)
                 if isinstance(sc, str) and _G("cuda", "all") != sc:
-                    _S("cuda", "all", sc)
+                    _S("cuda", "all", sc if sc != "none" else "ieee")
         if t is not None:
             try:  # _matmul_held, inline
                 ok = _GM() == t and (t == "highest" or _GBLAS() is True)

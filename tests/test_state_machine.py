@@ -8,6 +8,7 @@ before the entry: the scope must restore even the raw values no getter shows.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import hypothesis.strategies as st
@@ -15,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, note, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from fp32scope import Fp32Precision, _flags, _scope, fp32_precision_scope
-from tests.torch_model import TorchModel
+from fp32scope import Fp32FlagsChangedWarning, Fp32Precision, _flags, _scope, fp32_precision_scope
+from tests.torch_model import LEGACY_SM_CUDA, LEGACY_SM_MKLDNN, TorchModel
 
 pytestmark = pytest.mark.skipif(not _flags.HAS_NEW_API, reason="models torch's new fp32_precision API")
 
@@ -234,4 +235,117 @@ def test_legacy_only_implementation_restores(monkeypatch: Any) -> None:
     run_state_machine_as_test(
         LegacyScopeMachine,
         settings=settings(max_examples=60, stateful_step_count=30, deadline=None),
+    )
+
+
+class FlipMachine(ScopeMachine):
+    """As ScopeMachine, but blocks also write flags inside scopes (a model that flips them).
+
+    On exit a scope that switched a field restores that field's raw state exactly, whatever
+    the block did; one that found its field held re-applies it only where the block broke it
+    (and warns); writes to flags outside the scope's fields persist, as any write does.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: list[dict[str, Any]] = []
+
+    @precondition(lambda self: bool(self.stack))
+    @rule(value=st.sampled_from(["highest", "high", "medium"]))
+    def flip_legacy_matmul(self, value: str) -> None:
+        note(f"  (inside) torch.set_float32_matmul_precision({value!r})")
+        self.model.set_matmul_precision(value)
+
+    @precondition(lambda self: bool(self.stack))
+    @rule(value=st.booleans())
+    def flip_legacy_cudnn(self, value: bool) -> None:
+        note(f"  (inside) torch.backends.cudnn.allow_tf32 = {value}")
+        self.model.set_cudnn_allow_tf32(value)
+
+    @precondition(lambda self: bool(self.stack))
+    @rule(key=slot_keys, value=slot_values)
+    def flip_new_api(self, key: tuple[str, str], value: str) -> None:
+        accepted = self.model.set_slot(*key, value)
+        note(f"  (inside) {_flags.SLOT_NAMES[key]} = {value!r}{'' if accepted else ' (refused)'}")
+
+    @precondition(lambda self: len(self.stack) < 4)
+    @rule(precision=precisions)
+    def enter(self, precision: Fp32Precision) -> None:
+        m = self.model
+        t, b = precision
+        matmul_held = t is not None and m.legacy_matmul() == t and (t == "highest" or m.legacy_cublas() is True)
+        cudnn_held = b is not None and m.legacy_cudnn() is b and (b or m.resolve("cuda", "all") != "tf32")
+        all_reading = m.resolve("cuda", "all")
+        moved = b is False and not cudnn_held and all_reading == "tf32"
+        matmul_switched = t is not None and not matmul_held
+        pinned = moved and not matmul_switched and m.slots["cuda", "matmul"] == "none"
+        self.entries.append(
+            {
+                "matmul_held": matmul_held,
+                "cudnn_held": cudnn_held,
+                "all_reading": all_reading if b is False and cudnn_held else None,
+                "moved": moved,
+                "pinned": pinned,
+            }
+        )
+        super().enter(precision)
+
+    @precondition(lambda self: bool(self.stack))
+    @rule(exception=st.sampled_from(EXCEPTIONS))
+    def exit(self, exception: type[BaseException] | None) -> None:  # noqa: C901  (the contract, case by case)
+        scope, snap, precision = self.stack.pop()
+        entry = self.entries.pop()
+        expected = self.model.copy()
+        t, b = precision
+        broken = False
+        if b is not None:
+            held_now = expected.legacy_cudnn() is b and (b or expected.resolve("cuda", "all") != "tf32")
+            broken |= not held_now
+            if not entry["cudnn_held"]:
+                if entry["moved"]:
+                    expected.slots["cuda", "all"] = snap.slots["cuda", "all"]
+                    if entry["pinned"]:
+                        expected.slots["cuda", "matmul"] = "none"
+                expected.b = snap.b
+                for op in ("conv", "rnn"):
+                    expected.slots["cuda", op] = snap.slots["cuda", op]
+            elif not held_now:
+                expected.b = b
+                for op in ("conv", "rnn"):
+                    expected.slots["cuda", op] = "tf32" if b else "none"
+                reading = entry["all_reading"]
+                if reading is not None and expected.resolve("cuda", "all") != reading:
+                    expected.slots["cuda", "all"] = reading if reading != "none" else "ieee"
+        if t is not None:
+            held_now = expected.legacy_matmul() == t and (t == "highest" or expected.legacy_cublas() is True)
+            broken |= not held_now
+            if not entry["matmul_held"]:
+                expected.e = snap.e
+                for backend in ("cuda", "mkldnn"):
+                    expected.slots[backend, "matmul"] = snap.slots[backend, "matmul"]
+            elif not held_now:
+                expected.e = t
+                expected.slots["cuda", "matmul"] = LEGACY_SM_CUDA[t]
+                expected.slots["mkldnn", "matmul"] = LEGACY_SM_MKLDNN[t]
+        note(f"exit fp32_precision_scope({precision}); the block broke it: {broken}")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            error = exception("from the block") if exception is not None else None
+            scope.__exit__(exception, error, None)
+        flagged = [w for w in caught if issubclass(w.category, Fp32FlagsChangedWarning)]
+        assert bool(flagged) == broken
+        self.model = expected
+
+    def teardown(self) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            super().teardown()
+
+
+def test_scopes_restore_what_they_applied_when_the_block_flips_flags() -> None:
+    run_state_machine_as_test(
+        FlipMachine,
+        settings=settings(
+            max_examples=1000, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+        ),
     )
