@@ -340,11 +340,13 @@ if HAS_NEW_API:
                     _S("cuda", "rnn", rnn_raw)
             elif not ok:
                 # The scope saved nothing: re-establish b. For False, cuda/all goes back to the
-                # reading it had, or "ieee" where that was an inherited "none" that a parent
-                # the block changed now turns into tf32.
+                # reading it had; where a parent the block changed still makes that tf32 (an
+                # inherited "none"), to "ieee".
                 _SB(b)
                 if isinstance(sc, str) and _G("cuda", "all") != sc:
-                    _S("cuda", "all", sc if sc != "none" else "ieee")
+                    _S("cuda", "all", sc)
+                    if _G("cuda", "all") == "tf32":
+                        _S("cuda", "all", "ieee")
         if t is not None:
             try:  # _matmul_held, inline
                 ok = _GM() == t and (t == "highest" or _GBLAS() is True)
