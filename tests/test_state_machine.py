@@ -292,7 +292,7 @@ class FlipMachine(ScopeMachine):
 
     @precondition(lambda self: bool(self.stack))
     @rule(exception=st.sampled_from(EXCEPTIONS))
-    def exit(self, exception: type[BaseException] | None) -> None:  # noqa: C901  (the contract, case by case)
+    def exit(self, exception: type[BaseException] | None) -> None:  # noqa: C901, PLR0912  (the contract, case by case)
         scope, snap, precision = self.stack.pop()
         entry = self.entries.pop()
         expected = self.model.copy()
