@@ -177,7 +177,8 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
         me = _get_ident()
         owner = _claim(0, me)
         if owner != me:
-            raise conflict_error("Cannot enter an fp32_precision_scope", owner)
+            where = f" around {self._name!r}" if self._name is not None else ""
+            raise conflict_error(f"Cannot enter an fp32_precision_scope{where}", owner)
         global _depth  # noqa: PLW0603
         _depth += 1
         try:

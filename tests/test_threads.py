@@ -153,3 +153,16 @@ def test_many_threads_hammering_never_interleave() -> None:
         t.join(60)
     assert wrong == []
     assert torch.get_float32_matmul_precision() == "high"
+
+
+def test_the_conflict_error_names_the_wrapped_node() -> None:
+    from fp32scope import with_fp32_precision
+
+    @with_fp32_precision(Fp32Precision("medium"), name="decode")
+    def decode() -> None:
+        pass
+
+    with held_on_thread(Fp32Precision("highest", False)):
+        error = run_on("plan", decode)
+    assert isinstance(error, Fp32ScopeError)
+    assert "around 'decode'" in str(error)
