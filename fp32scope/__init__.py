@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fp32scope._cuda_graphs import CapturedCudaGraph, capture_cuda_graph
     from fp32scope._decorator import with_fp32_precision
-    from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
+    from fp32scope._errors import Fp32BackwardNotScopedWarning, Fp32FlagsChangedWarning, Fp32ScopeError
     from fp32scope._node import node_fp32_precision
     from fp32scope._precision import Fp32Precision
     from fp32scope._process import current_fp32_precision, set_process_default
@@ -29,6 +29,7 @@ _HOMES = {
     "CapturedCudaGraph": "_cuda_graphs",
     "capture_cuda_graph": "_cuda_graphs",
     "with_fp32_precision": "_decorator",
+    "Fp32BackwardNotScopedWarning": "_errors",
     "Fp32FlagsChangedWarning": "_errors",
     "Fp32ScopeError": "_errors",
     "node_fp32_precision": "_node",
@@ -59,6 +60,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CapturedCudaGraph",
+    "Fp32BackwardNotScopedWarning",
     "Fp32FlagsChangedWarning",
     "Fp32Precision",
     "Fp32ScopeError",

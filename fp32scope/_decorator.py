@@ -10,7 +10,8 @@ from typing import Any, TypeVar
 import torch
 
 from fp32scope import _dynamo_exclude
-from fp32scope._precision import Fp32Precision, check_precision
+from fp32scope._backward import call_recorded, grad_enabled
+from fp32scope._precision import Fp32Precision, check_backward, check_precision
 from fp32scope._proxy import Fp32ScopedModule
 from fp32scope._scope import fp32_precision_scope, split, wrapper_scope
 
@@ -40,7 +41,9 @@ def _refuse_suspending(target: Callable[..., Any], name: str) -> None:
             raise TypeError(msg)
 
 
-def with_fp32_precision(precision: Fp32Precision | None, *, name: str | None = None) -> Callable[[F], F]:
+def with_fp32_precision(
+    precision: Fp32Precision | None, *, name: str | None = None, backward: bool = True
+) -> Callable[[F], F]:
     """A decorator that runs every call of its target inside ``fp32_precision_scope(precision)``.
 
     ``precision`` is checked now, so a bad one fails when the decorator is made, not at
@@ -52,6 +55,12 @@ def with_fp32_precision(precision: Fp32Precision | None, *, name: str | None = N
     signature, and binds as a method. Coroutine, async generator and generator functions are
     refused with :class:`TypeError`, as are non-callables. ``name`` (default: the target's
     qualified name) appears in errors and warnings.
+
+    When a call records autograd history (grad mode on and an output requires grad), the
+    backward of every autograd node that call created runs in the same precision too,
+    including nodes that use tensors the function reaches by closure (leaves such as
+    parameters; see the training guide for the limits); ``backward=False`` keeps the
+    wrapper forward-only.
 
     Apply it to the compiled callable, never inside it: Dynamo cannot trace a flag change.
 
@@ -67,6 +76,7 @@ def with_fp32_precision(precision: Fp32Precision | None, *, name: str | None = N
     if name is not None and not isinstance(name, str):
         msg = f"name must be a str or None; got {name!r} of type {type(name).__name__}."
         raise TypeError(msg)
+    check_backward(backward)
     fields = split(checked)
 
     def decorate(target: F) -> F:
@@ -78,9 +88,9 @@ def with_fp32_precision(precision: Fp32Precision | None, *, name: str | None = N
             return target  # no scope, so nothing can leak across a suspension point
         _refuse_suspending(target, label)
         if isinstance(target, torch.nn.Module):
-            return Fp32ScopedModule(target, checked, name=label)  # type: ignore[return-value]
+            return Fp32ScopedModule(target, checked, name=label, backward=backward)  # type: ignore[return-value]
         _dynamo_exclude.ensure()
-        return _scoped_function(target, wrapper_scope(checked, label), checked)  # type: ignore[return-value]
+        return _scoped_function(target, wrapper_scope(checked, label), checked, backward)  # type: ignore[return-value]
 
     return decorate
 
@@ -89,8 +99,13 @@ def _scoped_function(
     target: Callable[..., Any],
     scope: fp32_precision_scope,
     precision: Fp32Precision | None,
+    backward: bool,
 ) -> Callable[..., Any]:
+    name = scope._name
+
     def scoped(*args: Any, **kwargs: Any) -> Any:
+        if backward and grad_enabled():
+            return call_recorded(precision, name, target, args, kwargs, scope=scope)
         with scope:
             return target(*args, **kwargs)
 
@@ -104,4 +119,4 @@ def _scoped_function(
 
 
 # Every closure made by _scoped_function shares one code object: skip it once.
-_dynamo_exclude.exclude(_scoped_function(print, fp32_precision_scope(None), None), graph_break=False)
+_dynamo_exclude.exclude(_scoped_function(print, fp32_precision_scope(None), None, False), graph_break=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["Fp32FlagsChangedWarning", "Fp32ScopeError"]
+__all__ = ["Fp32BackwardNotScopedWarning", "Fp32FlagsChangedWarning", "Fp32ScopeError"]
 
 
 class Fp32ScopeError(RuntimeError):
@@ -19,4 +19,15 @@ class Fp32FlagsChangedWarning(RuntimeWarning):
 
     The scope restores the state it saved on entry regardless; this warning names the
     flags that the block changed so that the code responsible can be found.
+    """
+
+
+class Fp32BackwardNotScopedWarning(UserWarning):
+    """A scoped node's backward cannot run in the node's precision; it runs unscoped.
+
+    Raised once per node when a wrapped call reaches a tensor with autograd history that
+    is not one of its arguments (a closure over an activation, say), so that its part of
+    the graph cannot be separated from the caller's. Its gradients are still exact; only
+    their precision is the one current when autograd reaches the node. Pass the tensor as
+    an argument, or wrap the node with ``backward=False`` to keep it forward-only.
     """

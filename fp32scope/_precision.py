@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-__all__ = ["MATMUL_PRECISIONS", "Fp32Precision", "MatmulPrecision", "check_precision"]
+__all__ = ["MATMUL_PRECISIONS", "Fp32Precision", "MatmulPrecision", "check_backward", "check_precision"]
 
 MatmulPrecision = Literal["highest", "high", "medium"]
 
@@ -91,3 +91,14 @@ def check_precision(value: object, *, argument: str = "precision") -> Fp32Precis
     check_matmul(value.matmul, field=f"{argument}.matmul")
     check_cudnn(value.cudnn_allow_tf32, field=f"{argument}.cudnn_allow_tf32")
     return value
+
+
+def check_backward(value: object) -> bool:
+    """Return ``value`` if it is a bool, else raise naming the ``backward`` argument."""
+    if type(value) is bool:
+        return value
+    msg = (
+        f"backward must be True (scope the node's backward too, the default) or False (forward only); "
+        f"got {value!r} of type {type(value).__name__}."
+    )
+    raise TypeError(msg)

@@ -10,7 +10,8 @@ import torch
 import wrapt
 
 from fp32scope import _dynamo_exclude
-from fp32scope._precision import Fp32Precision, check_precision
+from fp32scope._backward import call_recorded, grad_enabled
+from fp32scope._precision import Fp32Precision, check_backward, check_precision
 from fp32scope._scope import fp32_precision_scope, wrapper_scope
 
 __all__ = ["SELF_RETURNING_METHODS", "Fp32ScopedModule", "precision_of"]
@@ -36,8 +37,10 @@ def _self_returning_methods() -> tuple[str, ...]:
 SELF_RETURNING_METHODS: tuple[str, ...] = _self_returning_methods()
 
 
-def _rebuild(module: torch.nn.Module, precision: Fp32Precision | None, name: str) -> Fp32ScopedModule:
-    return Fp32ScopedModule(module, precision, name=name)
+def _rebuild(
+    module: torch.nn.Module, precision: Fp32Precision | None, name: str, backward: bool = True
+) -> Fp32ScopedModule:
+    return Fp32ScopedModule(module, precision, name=name, backward=backward)
 
 
 def _default_name(module: object) -> str:
@@ -69,6 +72,12 @@ class Fp32ScopedModule(_ProxyBase):
     scope (and, if it is not compiled itself, is compiled as a graph of its own, inside the
     scope), and the rest of the parent runs under the process default.
 
+    Training: when a call records autograd history (grad mode on and an output requires
+    grad), the backward of every autograd node that call created runs in the same
+    precision, exactly bracketed like the forward (see the training guide);
+    ``backward=False`` keeps the proxy forward-only. Under ``torch.no_grad()`` and
+    ``torch.inference_mode()`` nothing is recorded.
+
     ``precision`` is checked here; None or an all-None precision makes a proxy that adds
     no scope. ``name`` (default: the wrapped module's class name) appears in errors and
     warnings. Read the precision back with :func:`precision_of`; the bare module is
@@ -83,6 +92,7 @@ class Fp32ScopedModule(_ProxyBase):
         precision: Fp32Precision | None,
         *,
         name: str | None = None,
+        backward: bool = True,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             msg = (
@@ -94,16 +104,23 @@ class Fp32ScopedModule(_ProxyBase):
         if name is not None and not isinstance(name, str):
             msg = f"name must be a str or None; got {name!r} of type {type(name).__name__}."
             raise TypeError(msg)
+        check_backward(backward)
         _dynamo_exclude.ensure()
         super().__init__(module)
         self._self_precision = checked
         self._self_name = name if name is not None else _default_name(module)
         self._self_scope = wrapper_scope(checked, self._self_name)
+        # Whether calls that record autograd history also scope their backward.
+        self._self_backward = backward and self._self_scope._fields is not None
 
     # ``self`` is positional-only so that a keyword argument named "self" still reaches
     # the module (wrapt's CallableObjectProxy gets the same by unpacking *args, which costs
     # a list on every call).
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        if self._self_backward and grad_enabled():
+            return call_recorded(
+                self._self_precision, self._self_name, self.__wrapped__, args, kwargs, scope=self._self_scope
+            )
         with self._self_scope:
             return self.__wrapped__(*args, **kwargs)
 
@@ -113,7 +130,7 @@ class Fp32ScopedModule(_ProxyBase):
         forward: Callable[..., Any] = self.__wrapped__.forward
         if self._self_precision is None or self._self_precision.is_noop:
             return forward
-        return _scoped_forward(forward, self._self_scope)
+        return _scoped_forward(forward, self._self_scope, self._self_backward)
 
     @forward.setter
     def forward(self, value: Callable[..., Any]) -> None:
@@ -128,18 +145,21 @@ class Fp32ScopedModule(_ProxyBase):
 
     def __repr__(self) -> str:
         return (
-            f"Fp32ScopedModule(precision={self._self_precision!r}, name={self._self_name!r},\n"
+            f"Fp32ScopedModule(precision={self._self_precision!r}, name={self._self_name!r}, "
+            f"backward={self._self_backward!r},\n"
             f"  module={self.__wrapped__!r})"
         )
 
     def __copy__(self) -> Fp32ScopedModule:
-        return _rebuild(copy.copy(self.__wrapped__), self._self_precision, self._self_name)
+        return _rebuild(copy.copy(self.__wrapped__), self._self_precision, self._self_name, self._self_backward)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Fp32ScopedModule:
-        return _rebuild(copy.deepcopy(self.__wrapped__, memo), self._self_precision, self._self_name)
+        return _rebuild(
+            copy.deepcopy(self.__wrapped__, memo), self._self_precision, self._self_name, self._self_backward
+        )
 
     def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
-        return (_rebuild, (self.__wrapped__, self._self_precision, self._self_name))
+        return (_rebuild, (self.__wrapped__, self._self_precision, self._self_name, self._self_backward))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return self.__reduce_ex__(2)
@@ -163,8 +183,10 @@ for _name in SELF_RETURNING_METHODS:
 del _name
 
 
-def _scoped_forward(forward: Callable[..., Any], scope: fp32_precision_scope) -> Callable[..., Any]:
+def _scoped_forward(forward: Callable[..., Any], scope: fp32_precision_scope, backward: bool) -> Callable[..., Any]:
     def scoped_forward(*args: Any, **kwargs: Any) -> Any:
+        if backward and grad_enabled():
+            return call_recorded(scope.precision, scope._name, forward, args, kwargs, scope=scope)
         with scope:
             return forward(*args, **kwargs)
 
@@ -175,7 +197,7 @@ def _scoped_forward(forward: Callable[..., Any], scope: fp32_precision_scope) ->
 
 # Every closure of _scoped_forward shares one code object: marking one covers them all.
 _dynamo_exclude.exclude(Fp32ScopedModule.__call__)
-_dynamo_exclude.exclude(_scoped_forward(print, fp32_precision_scope(None)), graph_break=False)
+_dynamo_exclude.exclude(_scoped_forward(print, fp32_precision_scope(None), False), graph_break=False)
 
 
 def precision_of(obj: object) -> Fp32Precision | None:
