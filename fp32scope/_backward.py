@@ -29,6 +29,7 @@ double backward runs in the precision too and reaches the call's real inputs.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -49,8 +50,24 @@ _Tensor = torch.Tensor
 # them last; every other node numbers in creation order on its thread.
 _LEAF_SEQ = 2**64 - 1
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-# Saved by every boundary node, only to learn afterwards whether the engine freed it.
-_SENTINEL = torch.empty(0)
+_empty = torch.empty
+
+_run_engine: Callable[..., Any] | None
+try:  # torch >= 2.4: the engine call behind torch.autograd.grad, without its argument checks
+    from torch.autograd.graph import _engine_run_backward as _run_engine
+except ImportError:  # pragma: no cover  (a torch that renames it: the public, slower path)
+    _run_engine = None
+
+
+def _grad(outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]) -> Any:
+    # The gradients come from autograd itself (right shapes, dtypes and devices), so
+    # torch.autograd.grad's checks and conversions (a quarter of a small node's backward)
+    # are skipped. retain_graph: the outer graph may be retained (it frees this subgraph
+    # in _release_if_freed when it is not); allow_unused: a leaf may get no gradient.
+    if _run_engine is None:  # pragma: no cover
+        return torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+    return _run_engine(outputs, grads, True, False, inputs, True, False)
+
 
 _BACKWARD_TWICE = (
     "Trying to backward through the graph a second time (or directly access saved tensors after they have "
@@ -62,45 +79,56 @@ _BACKWARD_TWICE = (
 class _State:
     """What one recorded call leaves for its backward."""
 
-    __slots__ = ("inner_inputs", "inner_outputs", "leaf_map", "name", "precision", "released", "start")
+    __slots__ = ("inner_inputs", "inner_outputs", "leaf_map", "name", "precision", "sentinel", "start")
 
-    def __init__(  # noqa: PLR0913
-        self,
-        inner_outputs: list[torch.Tensor],
-        inner_inputs: list[torch.Tensor],
-        precision: Any,
-        name: str | None,
-        start: int,
-        leaf_map: dict[int, torch.Tensor],
-    ) -> None:
-        self.inner_outputs: list[torch.Tensor] | None = inner_outputs
-        self.inner_inputs = inner_inputs
-        self.precision = precision
-        self.name = name
+    def __init__(self, scope: fp32_precision_scope, start: int, leaf_map: dict[int, torch.Tensor]) -> None:
+        self.precision = scope.precision
+        self.name = scope._name
         self.start = start  # the first sequence number of the call's own nodes
         self.leaf_map = leaf_map  # id(alias) -> the caller's tensor it stands for
-        self.released = False
+        # The call's outputs with their history, and the leaves where that history ends;
+        # None and empty once the engine has freed the graph (no retain_graph).
+        self.inner_outputs: list[torch.Tensor] | None = None
+        self.inner_inputs: list[torch.Tensor] = []
+        # A weak reference to a tensor only the boundary node holds (saved for backward):
+        # alive while the engine keeps the node's saved tensors. None under a saved-tensor
+        # hook, which takes the tensor away.
+        self.sentinel: weakref.ref[torch.Tensor] | None = None
+
+    def scope(self) -> fp32_precision_scope:
+        """A new scope for this call's backward (warnings and errors name the node)."""
+        return wrapper_scope(self.precision, self.name or "backward")
 
 
 def _release_if_freed(ctx: Any) -> None:
     # Runs when the outer graph task ends. Without retain_graph the engine has freed the
     # boundary node's saved sentinel by then: drop the call's subgraph (and its saved
     # activations) now, as torch would have, instead of when the outputs die.
-    try:
-        ctx._raw_saved_tensors  # noqa: B018  (raises once the engine released the node)
-    except RuntimeError:
-        state: _State = ctx.state
-        state.inner_outputs = None
-        state.inner_inputs = []
-        state.leaf_map = {}
-        state.released = True
+    state: _State = ctx.state
+    ref = state.sentinel
+    if ref is not None:
+        if ref() is not None:  # still saved: the graph was retained
+            return
+    else:
+        # A saved-tensor hook (checkpoint) packed the sentinel away: ask the node itself,
+        # which raises once the engine has released it (slower: an exception is built).
+        try:
+            ctx._raw_saved_tensors  # noqa: B018
+        except RuntimeError:
+            pass
+        else:
+            return
+    state.inner_outputs = None
+    state.inner_inputs = []
+    state.leaf_map = {}
 
 
 class _Boundary(torch.autograd.Function):
     """One node standing for a scoped call's whole subgraph."""
 
     @staticmethod
-    def forward(ctx: Any, state: _State, sentinel: torch.Tensor, *outer_inputs: torch.Tensor) -> tuple[Any, ...]:
+    def forward(ctx: Any, state: _State, sentinel: torch.Tensor, *_outer_inputs: torch.Tensor) -> tuple[Any, ...]:
+        # The outer inputs are there only to become this node's edges in the caller's graph.
         ctx.state = state
         ctx.queued = -2
         # Unused outputs get None, not zeros: their part of the subgraph must not run.
@@ -126,8 +154,8 @@ class _Boundary(torch.autograd.Function):
         if ctx.queued != task:
             ctx.queued = task
             _queue_callback(lambda: _release_if_freed(ctx))
-        outs = [o for o, _ in used]
-        gs = [g for _, g in used]
+        outs = tuple(o for o, _ in used)
+        gs = tuple(g for _, g in used)
         if torch.is_grad_enabled():  # create_graph=True: record the gradient computation too
             inputs = state.inner_inputs
 
@@ -137,11 +165,11 @@ class _Boundary(torch.autograd.Function):
             # The call's own forward nodes count as its subgraph (they carry the double
             # backward), and its aliases lead back to the caller's tensors.
             computed = call_recorded(
-                state.precision, state.name, grad_create_graph, tuple(gs), {}, start=state.start, leaf_map=state.leaf_map
+                state.scope(), grad_create_graph, gs, {}, start=state.start, leaf_map=state.leaf_map
             )
         else:
-            with wrapper_scope(state.precision, state.name or "backward"):
-                computed = torch.autograd.grad(outs, state.inner_inputs, gs, retain_graph=True, allow_unused=True)
+            with state.scope():
+                computed = _grad(outs, tuple(state.inner_inputs), gs)
         return (None, None, *computed)
 
 
@@ -164,72 +192,49 @@ def _warn_not_scoped(name: str | None, what: str) -> None:
 
 
 def _cut(value: Any, aliases: dict[int, torch.Tensor], leaf_map: dict[int, torch.Tensor]) -> Any:
-    # A non-leaf tensor that requires grad enters as a detached leaf alias; the map sends
-    # each alias back to the tensor it stands for.
-    if type(value) is _Tensor or isinstance(value, _Tensor):
-        if value.requires_grad and value.grad_fn is not None:
-            alias = aliases.get(id(value))
-            if alias is None:
-                alias = value.detach().requires_grad_()
-                aliases[id(value)] = alias
-                leaf_map[id(alias)] = value
-            return alias
-        return value
+    # A non-leaf tensor that requires grad enters as a detached leaf alias (same storage,
+    # same version counter); the map sends each alias back to the tensor it stands for.
+    if isinstance(value, _Tensor) and value.requires_grad and value.grad_fn is not None:
+        alias = aliases.get(id(value))
+        if alias is None:
+            alias = value.detach().requires_grad_()
+            aliases[id(value)] = alias
+            leaf_map[id(alias)] = value
+        return alias
     return value
 
 
-def call_recorded(
-    precision: Any,
-    name: str | None,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    start: int | None = None,
-    scope: fp32_precision_scope | None = None,
-    leaf_map: dict[int, torch.Tensor] | None = None,
-) -> Any:
-    """Call ``fn(*args, **kwargs)`` in the scope; make its backward run in the scope too.
+# Argument and result types that hold no tensors pytree would find: no flattening needed.
+_ATOMS = (_Tensor, int, float, bool, str, type(None), torch.dtype, torch.device)
 
-    Called only with grad mode on. ``start`` (for a recorded backward) widens what counts
-    as the call's own subgraph to everything since that sequence number.
-    """
+
+def _cut_arguments(
+    args: tuple[Any, ...], kwargs: dict[str, Any], leaf_map: dict[int, torch.Tensor]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     aliases: dict[int, torch.Tensor] = {}
-    leaf_map = {} if leaf_map is None else dict(leaf_map)
-    flat_args, spec = _pytree.tree_flatten((args, kwargs))
-    cut = [_cut(a, aliases, leaf_map) for a in flat_args]
-    if aliases:
-        args, kwargs = _pytree.tree_unflatten(cut, spec)
-    first = _sequence_nr()
-    if start is None:
-        start = first
-    with scope if scope is not None else wrapper_scope(precision, name or "backward"):
-        result = fn(*args, **kwargs)
-    leaf_back = leaf_map  # an argument returned as it was goes back as the caller's tensor
-    flat, out_spec = _pytree.tree_flatten(result)
-    positions: list[int] = []
-    inner_outputs: list[torch.Tensor] = []
-    roots: list[Any] = []
-    for i, value in enumerate(flat):
-        if not isinstance(value, _Tensor) or not value.requires_grad:
-            continue
-        fn_node = value.grad_fn
-        if fn_node is None:
-            original = leaf_back.get(id(value))
-            if original is not None:
-                flat[i] = original
-            continue
-        if fn_node._sequence_nr() < start:
-            continue  # made before the call: not the call's own history
-        positions.append(i)
-        inner_outputs.append(value)
-        roots.append(fn_node)
-    if not roots:
-        return _pytree.tree_unflatten(flat, out_spec) if leaf_back else result
-    # The call's subgraph: every node reachable from its outputs that it created. Its edge
-    # must be leaves only (AccumulateGrad), after the cut above.
+    if all(isinstance(a, _ATOMS) for a in args) and all(isinstance(v, _ATOMS) for v in kwargs.values()):
+        # The usual call (tensors and plain values): no pytree round trip.
+        cut_args = tuple(_cut(a, aliases, leaf_map) for a in args)
+        if not aliases:
+            return args, kwargs
+        return cut_args, {k: _cut(v, aliases, leaf_map) for k, v in kwargs.items()} if kwargs else kwargs
+    flat, spec = _pytree.tree_flatten((args, kwargs))
+    cut = [_cut(a, aliases, leaf_map) for a in flat]
+    if not aliases:
+        return args, kwargs
+    new_args, new_kwargs = _pytree.tree_unflatten(cut, spec)
+    return new_args, new_kwargs
+
+
+def _subgraph_leaves(roots: list[Any], start: int) -> dict[int, torch.Tensor] | str:
+    """The leaves where the call's subgraph ends, or what makes it impossible to cut off.
+
+    The subgraph is every node reachable from ``roots`` that the call created (sequence
+    number ``start`` or later). After the cut of its arguments its edge is leaves only
+    (AccumulateGrad nodes); a non-leaf node from before the call is named instead.
+    """
     seen: set[Any] = set()
-    stack = roots
+    stack = list(roots)
     leaves: dict[int, torch.Tensor] = {}
     while stack:
         node = stack.pop()
@@ -246,20 +251,77 @@ def call_recorded(
             elif seq >= start:
                 stack.append(nxt)
             else:
-                _warn_not_scoped(name, f"a non-leaf tensor made by {type(nxt).__name__}")
-                return _pytree.tree_unflatten(flat, out_spec) if leaf_back else result
-    inner_inputs = list(leaves.values())
-    outer_inputs = [leaf_map.get(id(t), t) for t in inner_inputs]
-    state = _State(inner_outputs, inner_inputs, precision, name, start, leaf_map)
-    wrapped = _Boundary.apply(state, _SENTINEL, *outer_inputs)
-    for i, w in zip(positions, wrapped, strict=True):
-        flat[i] = w
-    return _pytree.tree_unflatten(flat, out_spec)
+                return f"a non-leaf tensor made by {type(nxt).__name__}"
+    return leaves
+
+
+def call_recorded(  # noqa: C901, PLR0913  (one pass over the outputs, on every training call)
+    scope: fp32_precision_scope,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    start: int | None = None,
+    leaf_map: dict[int, torch.Tensor] | None = None,
+) -> Any:
+    """Call ``fn(*args, **kwargs)`` in ``scope``; make its backward run in the scope too.
+
+    Called only with grad mode on. ``start`` (for a recorded backward) widens what counts
+    as the call's own subgraph to everything since that sequence number; ``leaf_map``
+    (likewise) maps the leaves of that subgraph that stand for the caller's tensors.
+    """
+    leaf_map = {} if leaf_map is None else dict(leaf_map)
+    args, kwargs = _cut_arguments(args, kwargs, leaf_map)
+    if start is None:
+        start = _sequence_nr()
+    with scope:
+        result = fn(*args, **kwargs)
+    single = isinstance(result, _Tensor)
+    flat, out_spec = ([result], None) if single else _pytree.tree_flatten(result)
+    positions: list[int] = []
+    inner_outputs: list[torch.Tensor] = []
+    roots: list[Any] = []
+    returned_argument = False
+    for i, value in enumerate(flat):
+        if not isinstance(value, _Tensor) or not value.requires_grad:
+            continue
+        node = value.grad_fn
+        if node is None:
+            original = leaf_map.get(id(value))
+            if original is not None:  # an argument returned as it was: the caller's tensor
+                flat[i] = original
+                returned_argument = True
+        elif node._sequence_nr() >= start:  # else made before the call: not its history
+            positions.append(i)
+            inner_outputs.append(value)
+            roots.append(node)
+    leaves = _subgraph_leaves(roots, start) if roots else None
+    if isinstance(leaves, str):
+        _warn_not_scoped(scope._name, leaves)
+    elif leaves is not None:
+        # Only the aliases the subgraph reaches: inner_inputs keeps them alive, so no id in
+        # the map can be reused by another tensor.
+        state = _State(scope, start, {k: leaf_map[k] for k in leaves if k in leaf_map})
+        state.inner_outputs = inner_outputs
+        state.inner_inputs = list(leaves.values())
+        sentinel = _empty(0)
+        wrapped = _Boundary.apply(state, sentinel, *(leaf_map.get(k, t) for k, t in leaves.items()))  # type: ignore[no-untyped-call]
+        if sentinel._use_count() > 1:  # type: ignore[attr-defined]  # held by the node's saved tensors, not by a hook
+            state.sentinel = weakref.ref(sentinel)
+        for i, w in zip(positions, wrapped, strict=True):
+            flat[i] = w
+    elif not returned_argument:
+        return result
+    if single:
+        return flat[0]
+    return _pytree.tree_unflatten(flat, out_spec)  # type: ignore[arg-type]
 
 
 _dynamo_exclude.exclude(
     call_recorded,
     _cut,
+    _cut_arguments,
+    _subgraph_leaves,
     _warn_not_scoped,
     _release_if_freed,
     graph_break=False,

@@ -101,11 +101,9 @@ def _scoped_function(
     precision: Fp32Precision | None,
     backward: bool,
 ) -> Callable[..., Any]:
-    name = scope._name
-
     def scoped(*args: Any, **kwargs: Any) -> Any:
         if backward and grad_enabled():
-            return call_recorded(precision, name, target, args, kwargs, scope=scope)
+            return call_recorded(scope, target, args, kwargs)
         with scope:
             return target(*args, **kwargs)
 

@@ -38,7 +38,10 @@ SELF_RETURNING_METHODS: tuple[str, ...] = _self_returning_methods()
 
 
 def _rebuild(
-    module: torch.nn.Module, precision: Fp32Precision | None, name: str, backward: bool = True
+    module: torch.nn.Module,
+    precision: Fp32Precision | None,
+    name: str,
+    backward: bool = True,  # noqa: FBT002  (pickles from fp32scope 0.1 carry three arguments)
 ) -> Fp32ScopedModule:
     return Fp32ScopedModule(module, precision, name=name, backward=backward)
 
@@ -118,11 +121,24 @@ class Fp32ScopedModule(_ProxyBase):
     # a list on every call).
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if self._self_backward and grad_enabled():
-            return call_recorded(
-                self._self_precision, self._self_name, self.__wrapped__, args, kwargs, scope=self._self_scope
-            )
+            return call_recorded(self._self_scope, self.__wrapped__, args, kwargs)
         with self._self_scope:
             return self.__wrapped__(*args, **kwargs)
+
+    # How Dynamo reaches the call when the proxy is a child of a compiled parent. torch 2.4's
+    # Dynamo (nn-module inlining off) treats any nn.Module attribute as a static module: it
+    # guards the child's ``training`` through the ``__dict__`` it sees from Python, which on a
+    # wrapt proxy is the wrapped module's, while the C++ guard reads the proxy's own instance
+    # dict (its ``_self_*`` attributes): "KeyError on L['self'].child.training", a recompile
+    # on every call. It then inlines ``_call_impl``, which reaches ``__wrapped__`` (a graph
+    # break on the descriptor, not on the mark) or, for a torch.nn class, puts the child
+    # into the parent's graph as a call_module, outside its scope. torchdynamo_force_dynamic
+    # makes it treat the proxy as an unspecialized module (what later releases do by
+    # default), which it calls through ``type(proxy)._call_impl``: this call, whose Dynamo
+    # mark makes a clean graph break. (On a proxy, _call_impl is the scoped call, as a call
+    # of the proxy is.) Later releases call ``type(proxy).__call__`` instead.
+    torchdynamo_force_dynamic = True
+    _call_impl = __call__
 
     @property
     def forward(self) -> Callable[..., Any]:
@@ -186,7 +202,7 @@ del _name
 def _scoped_forward(forward: Callable[..., Any], scope: fp32_precision_scope, backward: bool) -> Callable[..., Any]:
     def scoped_forward(*args: Any, **kwargs: Any) -> Any:
         if backward and grad_enabled():
-            return call_recorded(scope.precision, scope._name, forward, args, kwargs, scope=scope)
+            return call_recorded(scope, forward, args, kwargs)
         with scope:
             return forward(*args, **kwargs)
 

@@ -13,7 +13,7 @@ import torch
 
 from fp32scope import Fp32Precision, current_fp32_precision
 
-__all__ = ["FAIL_IN_BACKWARD", "SEEN", "ProbeError", "phases", "probe"]
+__all__ = ["FAIL_IN_BACKWARD", "SEEN", "ProbeError", "backward", "phases", "probe"]
 
 SEEN: list[tuple[str, str, Fp32Precision]] = []
 FAIL_IN_BACKWARD: set[str] = set()
@@ -24,13 +24,12 @@ class ProbeError(RuntimeError):
 
 
 @torch.library.custom_op("fp32scope_tests::probe", mutates_args=())
-def probe(x: torch.Tensor, tag: str) -> torch.Tensor:
-    """The identity; records the flags in forward (and, through its autograd formula, backward)."""
+def _probe(x: torch.Tensor, tag: str) -> torch.Tensor:
     SEEN.append(("fwd", tag, current_fp32_precision()))
     return x.clone()
 
 
-@probe.register_fake
+@_probe.register_fake
 def _(x: torch.Tensor, tag: str) -> torch.Tensor:
     return torch.empty_like(x)
 
@@ -55,12 +54,19 @@ def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[objec
 
 
 def _backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-    return probe_backward(grad, ctx.tag), None  # type: ignore[attr-defined]
+    out: torch.Tensor = probe_backward(grad, ctx.tag)  # type: ignore[attr-defined]
+    return out, None
 
 
-probe.register_autograd(_backward, setup_context=_setup_context)
+_probe.register_autograd(_backward, setup_context=_setup_context)
 # The backward is itself differentiable (the identity again), so a double backward is probed too.
 probe_backward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def probe(x: torch.Tensor, tag: str) -> torch.Tensor:
+    """The identity; records the flags in forward (and, through its autograd formula, backward)."""
+    out: torch.Tensor = _probe(x, tag)
+    return out
 
 
 def phases(phase: str) -> dict[str, list[Fp32Precision]]:
@@ -70,3 +76,8 @@ def phases(phase: str) -> dict[str, list[Fp32Precision]]:
         if p == phase:
             out.setdefault(tag, []).append(precision)
     return out
+
+
+def backward(tensor: torch.Tensor, gradient: torch.Tensor | None = None, *, retain_graph: bool | None = None) -> None:
+    """``tensor.backward(gradient, retain_graph=...)``, typed (Tensor.backward is not, for mypy)."""
+    torch.autograd.backward(tensor, gradient, retain_graph=retain_graph)

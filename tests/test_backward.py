@@ -33,7 +33,7 @@ from fp32scope import (
     with_fp32_precision,
 )
 from tests import probe as probes
-from tests.probe import probe
+from tests.probe import backward, probe
 
 FULL = Fp32Precision("highest", False)
 DEFAULT = Fp32Precision("high", True)
@@ -91,7 +91,7 @@ def test_eager_module_backward_runs_in_the_node_precision() -> None:
     node = Fp32ScopedModule(Node(), FULL)
     x = torch.randn(4, 8, requires_grad=True)
     before = _flags.read_all()
-    step(node, x).backward()
+    backward(step(node, x))
     assert probes.phases("fwd")["node-in"] == [FULL]
     assert_node_backward_in(FULL)
     assert _flags.read_all() == before
@@ -99,7 +99,7 @@ def test_eager_module_backward_runs_in_the_node_precision() -> None:
 
 def test_backward_false_keeps_the_node_forward_only() -> None:
     node = Fp32ScopedModule(Node(), FULL, backward=False)
-    step(node, torch.randn(4, 8, requires_grad=True)).backward()
+    backward(step(node, torch.randn(4, 8, requires_grad=True)))
     assert probes.phases("fwd")["node-in"] == [FULL]
     assert_node_backward_in(DEFAULT)  # the control: without the feature this is what a node gets
     assert "backward=False" in repr(node)
@@ -120,22 +120,26 @@ def test_compiled_module_backward_and_its_lazy_compile_run_in_the_node_precision
             return compiled
 
         def record(g: torch.fx.GraphModule, _: list[torch.Tensor]) -> Callable[..., Any]:
-            from functorch.compile import make_boxed_func
-
             compiled_in.append(current_fp32_precision())  # forward graph, then backward graph
-            return cast("Callable[..., Any]", make_boxed_func(g.forward))
 
-        return cast("Callable[..., Any]", aot_autograd(fw_compiler=record, bw_compiler=record)(gm, inputs))
+            def boxed(args: list[Any]) -> Any:  # AOTAutograd's calling convention
+                return g(*args)
+
+            boxed._boxed_call = True  # type: ignore[attr-defined]
+            return boxed
+
+        with_aot: Callable[..., Any] = aot_autograd(fw_compiler=record, bw_compiler=record)(gm, inputs)
+        return with_aot
 
     a, b = twins()
     node = Fp32ScopedModule(torch.compile(a, backend=recording), FULL)
     x = torch.randn(4, 8, requires_grad=True)
-    step(node, x).backward()
+    backward(step(node, x))
     assert_node_backward_in(FULL)
     if backend == "aot_eager":
         assert compiled_in == [FULL, FULL]  # the backward graph compiled at the first backward, in scope
     grads = [p.grad for p in a.parameters()]
-    step(b, x.detach().requires_grad_()).backward()
+    backward(step(b, x.detach().requires_grad_()))
     for got, expected in zip(grads, [p.grad for p in b.parameters()], strict=True):
         torch.testing.assert_close(got, expected)
     torch._dynamo.reset()
@@ -149,7 +153,7 @@ def test_decorated_function_and_its_closure_over_a_parameter() -> None:
         return probe(probe(x, "node-in") @ weight, "node-out")  # weight: reached by closure
 
     x = torch.randn(4, 8, requires_grad=True)
-    step(head, x).backward()
+    backward(step(head, x))
     assert_node_backward_in(FULL)
     assert weight.grad is not None
     expected = torch.autograd.grad(step(lambda t: t @ weight, x), weight)[0]
@@ -167,11 +171,11 @@ def test_a_closure_over_an_activation_warns_and_keeps_gradients_exact() -> None:
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.warns(Fp32BackwardNotScopedWarning, match="'closes-over'.*backward=False"):
         loss = step(head, x)
-    loss.backward(retain_graph=True)  # the reference below goes through `activation` again
+    backward(loss, retain_graph=True)  # the reference below goes through `activation` again
     assert probes.phases("bwd")["node-out"] == [DEFAULT]  # not scoped, and said so
     grad_source = source.grad
     source.grad = None
-    step(lambda t: t + activation, x).backward()
+    backward(step(lambda t: t + activation, x))
     torch.testing.assert_close(grad_source, source.grad)
 
 
@@ -189,7 +193,7 @@ def test_gradients_equal_the_unwrapped_node_for_inputs_and_parameters(how: str) 
         params = list((a if node is not b else b).parameters())
         if how == "backward":
             x.grad = None
-            loss.backward()
+            backward(loss)
             results.append([x.grad, *(p.grad for p in params)])
         else:
             results.append(list(torch.autograd.grad(loss, [x, *params])))
@@ -227,21 +231,21 @@ def test_an_argument_returned_as_is_comes_back_as_the_callers_tensor() -> None:
     x = torch.randn(3, requires_grad=True) * 1  # a non-leaf: enters the call as an alias
     out_x, out_y = passthrough(x, x)
     assert out_x is x
-    (out_x.sum() + out_y.sum()).backward()
+    backward(out_x.sum() + out_y.sum())
 
 
 def test_retain_graph_and_a_second_backward() -> None:
-    a, b = twins()
+    a, _ = twins()
     x = torch.randn(4, 8, requires_grad=True)
     node = Fp32ScopedModule(a, FULL)
     loss = step(node, x)
-    loss.backward(retain_graph=True)
+    backward(loss, retain_graph=True)
     first = a.linear.weight.grad.clone()  # type: ignore[union-attr]
-    loss.backward()
+    backward(loss)
     torch.testing.assert_close(a.linear.weight.grad, 2 * first)
     assert probes.phases("bwd")["node-out"] == [FULL, FULL]
     with pytest.raises(RuntimeError, match="backward through the graph a second time.*retain_graph=True"):
-        loss.backward()
+        backward(loss)
 
 
 def test_without_retain_graph_the_nodes_activations_are_freed_after_backward() -> None:
@@ -261,7 +265,7 @@ def test_without_retain_graph_the_nodes_activations_are_freed_after_backward() -
     for retain in (True, False):
         kept.clear()
         out = node(torch.randn(4, 8, requires_grad=True))
-        out.sum().backward(retain_graph=retain)
+        backward(out.sum(), retain_graph=retain)
         gc.collect()
         # `out` is still alive, as a training loop's last loss is until the next step.
         assert (kept[0]() is not None) is retain
@@ -279,7 +283,7 @@ def test_double_backward_runs_in_the_node_precision_and_matches() -> None:
         set_process_default(DEFAULT)
         (gh,) = torch.autograd.grad(node(h).pow(3).sum(), h, create_graph=True)
         penalty = gh.pow(2).sum()
-        penalty.backward()
+        backward(penalty)
         params = a.parameters() if node is not b else b.parameters()
         results.append([gh.detach(), source.grad, *(p.grad for p in params)])
         if node is not b:
@@ -300,11 +304,11 @@ def test_an_error_in_the_nodes_backward_restores_the_flags_and_the_next_step_wor
     before = _flags.read_all()
     probes.FAIL_IN_BACKWARD.add(where)
     with pytest.raises(probes.ProbeError, match=where):
-        step(node, x).backward()
+        backward(step(node, x))
     assert _flags.read_all() == before
     probes.FAIL_IN_BACKWARD.clear()
     probes.SEEN.clear()
-    step(node, x).backward()
+    backward(step(node, x))
     assert_node_backward_in(FULL)
     assert _flags.read_all() == before
 
@@ -338,7 +342,7 @@ def test_property_backward_brackets_the_node_exactly(
                 declared.matmul or around.matmul,
                 around.cudnn_allow_tf32 if declared.cudnn_allow_tf32 is None else declared.cudnn_allow_tf32,
             )
-            loss.backward()
+            backward(loss)
     except probes.ProbeError:
         assert fail
     else:
@@ -358,7 +362,7 @@ def test_a_scope_around_backward_nests() -> None:
     loss = step(node, torch.randn(4, 8, requires_grad=True))
     medium = Fp32Precision("medium", True)
     with fp32_precision_scope(medium):
-        loss.backward()
+        backward(loss)
         assert current_fp32_precision() == medium
     assert_node_backward_in(FULL, around=medium)
     assert current_fp32_precision() == DEFAULT
@@ -376,7 +380,7 @@ def test_two_nodes_of_different_precisions_each_get_their_own() -> None:
         return probe(x * 5, "reduced")
 
     x = torch.randn(4, requires_grad=True)
-    (reduced(full(x)) + full(x * 7)).sum().backward()
+    backward((reduced(full(x)) + full(x * 7)).sum())
     bwd = probes.phases("bwd")
     assert bwd["full"] == [FULL, FULL]
     assert bwd["reduced"] == [medium]
@@ -390,7 +394,7 @@ def test_an_unused_output_runs_no_backward() -> None:
 
     x = torch.randn(4, requires_grad=True)
     out = two(x)
-    out["used"].sum().backward()
+    backward(out["used"].sum())
     assert probes.phases("bwd") == {"used": [FULL]}
     torch.testing.assert_close(x.grad, torch.full((4,), 2.0))
 
@@ -406,12 +410,12 @@ def test_non_reentrant_checkpoint_recomputes_and_backpropagates_in_the_node_prec
     x = torch.randn(4, 8, requires_grad=True)
     loss = probe(cast("torch.Tensor", checkpoint(node, probe(x, "pre"), use_reentrant=False)), "post").sum()
     probes.SEEN.clear()
-    loss.backward()
+    backward(loss)
     fwd = probes.phases("fwd")  # in backward: only the recompute runs forward code
     assert set(fwd["node-in"]) == {FULL}
     assert_node_backward_in(FULL)
     grads = [p.grad for p in a.parameters()]
-    probe(b(probe(x, "pre")), "post").sum().backward()
+    backward(probe(b(probe(x, "pre")), "post").sum())
     for got, expected in zip(grads, [p.grad for p in b.parameters()], strict=True):
         torch.testing.assert_close(got, expected)
 
@@ -430,7 +434,7 @@ def test_a_compiled_parent_runs_its_scoped_childs_backward_in_the_childs_precisi
             return probe(self.child(probe(self.pre(x), "pre")), "post").sum()
 
     parent = Parent()
-    torch.compile(parent, backend="aot_eager")(torch.randn(4, 8, requires_grad=True)).backward()
+    backward(torch.compile(parent, backend="aot_eager")(torch.randn(4, 8, requires_grad=True)))
     assert_node_backward_in(FULL)
     assert parent.pre.weight.grad is not None
     torch._dynamo.reset()
@@ -477,15 +481,16 @@ def test_a_forward_on_another_thread_is_refused_while_a_backward_is_in_its_scope
 
     @with_fp32_precision(FULL, name="blocking")
     def blocking(x: torch.Tensor) -> torch.Tensor:
-        return Wait.apply(x)
+        out: torch.Tensor = Wait.apply(x)  # type: ignore[no-untyped-call]
+        return out
 
     class Wait(torch.autograd.Function):
         @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        def forward(_ctx: Any, x: torch.Tensor) -> torch.Tensor:
             return x.clone()
 
         @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        def backward(_ctx: Any, grad: torch.Tensor) -> torch.Tensor:
             inside.set()
             release.wait(30)
             return grad
@@ -494,8 +499,8 @@ def test_a_forward_on_another_thread_is_refused_while_a_backward_is_in_its_scope
 
     def train() -> None:
         try:
-            loss.backward()
-        except BaseException as e:  # noqa: BLE001  (reported to the main thread)
+            backward(loss)
+        except BaseException as e:  # reported to the main thread
             errors.append(e)
 
     trainer = threading.Thread(target=train, name="trainer")
@@ -511,3 +516,18 @@ def test_a_forward_on_another_thread_is_refused_while_a_backward_is_in_its_scope
         trainer.join(30)
     assert not errors
     assert current_fp32_precision() == DEFAULT
+
+
+# -- DDP ------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
+def test_ddp_example_all_reduces_through_the_scoped_head_in_full_fp32() -> None:
+    from tests.test_examples import run_example
+
+    out = run_example("ddp_training.py")
+    for rank in (0, 1):
+        assert f"rank {rank}: head backward ran in [{FULL}] (3 steps)" in out
+        assert f"rank {rank}: gradients all-reduced (equal on every rank): True" in out
+        assert f"rank {rank}: replicas identical after 3 steps: True" in out
+        assert f"rank {rank}: flags after training: {DEFAULT}" in out
