@@ -31,13 +31,14 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
+from types import FunctionType
 from typing import Any
 
 import torch
 from torch.utils import _pytree
 
 from fp32scope import _dynamo_exclude
-from fp32scope._errors import Fp32BackwardNotScopedWarning
+from fp32scope._errors import Fp32BackwardNotScopedWarning, Fp32ScopeError
 from fp32scope._scope import fp32_precision_scope, wrapper_scope
 
 __all__ = ["call_recorded", "grad_enabled"]
@@ -49,7 +50,6 @@ _Tensor = torch.Tensor
 # AccumulateGrad nodes (leaves) carry the largest sequence number, so that the engine runs
 # them last; every other node numbers in creation order on its thread.
 _LEAF_SEQ = 2**64 - 1
-_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _empty = torch.empty
 
 _run_engine: Callable[..., Any] | None
@@ -59,15 +59,28 @@ except ImportError:  # pragma: no cover  (a torch that renames it: the public, s
     _run_engine = None
 
 
-def _grad(outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...]) -> Any:
+def _grad(
+    outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...], keep: bool
+) -> Any:
     # The gradients come from autograd itself (right shapes, dtypes and devices), so
     # torch.autograd.grad's checks and conversions (a quarter of a small node's backward)
-    # are skipped. retain_graph: the outer graph may be retained (it frees this subgraph
-    # in _release_if_freed when it is not); allow_unused: a leaf may get no gradient.
+    # are skipped. keep: retain_graph as the caller's backward has it; allow_unused: a
+    # leaf may get no gradient.
     if _run_engine is None:  # pragma: no cover
-        return torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
-    return _run_engine(outputs, grads, True, False, inputs, True, False)
+        return torch.autograd.grad(outputs, inputs, grads, retain_graph=keep, allow_unused=True)
+    return _run_engine(outputs, grads, keep, False, inputs, True, False)
 
+
+# torch's words when code modifies a leaf that requires grad in place (a leaf alias of an
+# argument, here), and what the user is told instead.
+_IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
+_IN_PLACE_MSG = (
+    "Scoped node {name!r} modified one of its tensor arguments in place while recording autograd history. "
+    "To run the node's backward in its precision, fp32scope hands each argument that has autograd history "
+    "to the node as a leaf sharing its storage, and torch refuses in-place changes to such leaves. Make the "
+    "node work on a copy (x = x.clone(), or an out-of-place op), or wrap it with backward=False to keep the "
+    "scope forward-only."
+)
 
 _BACKWARD_TWICE = (
     "Trying to backward through the graph a second time (or directly access saved tensors after they have "
@@ -79,7 +92,7 @@ _BACKWARD_TWICE = (
 class _State:
     """What one recorded call leaves for its backward."""
 
-    __slots__ = ("inner_inputs", "inner_outputs", "leaf_map", "name", "precision", "sentinel", "start")
+    __slots__ = ("inner_inputs", "inner_outputs", "leaf_map", "name", "precision", "sentinel", "shared", "start")
 
     def __init__(self, scope: fp32_precision_scope, start: int, leaf_map: dict[int, torch.Tensor]) -> None:
         self.precision = scope.precision
@@ -90,51 +103,37 @@ class _State:
         # None and empty once the engine has freed the graph (no retain_graph).
         self.inner_outputs: list[torch.Tensor] | None = None
         self.inner_inputs: list[torch.Tensor] = []
-        # A weak reference to a tensor only the boundary node holds (saved for backward):
-        # alive while the engine keeps the node's saved tensors. None under a saved-tensor
-        # hook, which takes the tensor away.
+        # A weak reference to a tensor only the gate node holds (saved for backward): alive
+        # while the engine keeps the gate's saved tensors. None under a saved-tensor hook,
+        # which takes the tensor away.
         self.sentinel: weakref.ref[torch.Tensor] | None = None
+        # Set once a create_graph backward recorded a graph over this subgraph: a double
+        # backward then runs it again through another boundary, so it is never freed early.
+        self.shared = False
 
     def scope(self) -> fp32_precision_scope:
         """A new scope for this call's backward (warnings and errors name the node)."""
         return wrapper_scope(self.precision, self.name or "backward")
 
 
-def _release_if_freed(ctx: Any) -> None:
-    # Runs when the outer graph task ends. Without retain_graph the engine has freed the
-    # boundary node's saved sentinel by then: drop the call's subgraph (and its saved
-    # activations) now, as torch would have, instead of when the outputs die.
-    state: _State = ctx.state
-    ref = state.sentinel
-    if ref is not None:
-        if ref() is not None:  # still saved: the graph was retained
-            return
-    else:
-        # A saved-tensor hook (checkpoint) packed the sentinel away: ask the node itself,
-        # which raises once the engine has released it (slower: an exception is built).
-        try:
-            ctx._raw_saved_tensors  # noqa: B018
-        except RuntimeError:
-            pass
-        else:
-            return
+def _release(state: _State) -> None:
+    # The graph was not retained: the engine freed every other node's saved tensors as it
+    # went; drop this call's subgraph too, so that nothing keeps it alive until the
+    # outputs die.
     state.inner_outputs = None
     state.inner_inputs = []
     state.leaf_map = {}
 
 
 class _Boundary(torch.autograd.Function):
-    """One node standing for a scoped call's whole subgraph."""
+    """One node standing for a scoped call's whole subgraph: its backward runs it, scoped."""
 
     @staticmethod
-    def forward(ctx: Any, state: _State, sentinel: torch.Tensor, *_outer_inputs: torch.Tensor) -> tuple[Any, ...]:
+    def forward(ctx: Any, state: _State, *_outer_inputs: torch.Tensor) -> tuple[Any, ...]:
         # The outer inputs are there only to become this node's edges in the caller's graph.
         ctx.state = state
-        ctx.queued = -2
         # Unused outputs get None, not zeros: their part of the subgraph must not run.
         ctx.set_materialize_grads(False)
-        # Saved only to learn whether the engine kept the graph (retain_graph).
-        ctx.save_for_backward(sentinel)
         outputs = state.inner_outputs
         if outputs is None:  # pragma: no cover  (forward runs right after recording)
             return ()
@@ -143,17 +142,12 @@ class _Boundary(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         state: _State = ctx.state
-        n_inputs = len(state.inner_inputs)
         outputs = state.inner_outputs
         if outputs is None:
             raise RuntimeError(_BACKWARD_TWICE.format(name=state.name))
         used = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
         if not used:
-            return (None, None, *([None] * n_inputs))
-        task = torch._C._current_graph_task_id()
-        if ctx.queued != task:
-            ctx.queued = task
-            _queue_callback(lambda: _release_if_freed(ctx))
+            return (None, *([None] * len(state.inner_inputs)))
         outs = tuple(o for o, _ in used)
         gs = tuple(g for _, g in used)
         if torch.is_grad_enabled():  # create_graph=True: record the gradient computation too
@@ -164,13 +158,40 @@ class _Boundary(torch.autograd.Function):
 
             # The call's own forward nodes count as its subgraph (they carry the double
             # backward), and its aliases lead back to the caller's tensors.
+            state.shared = True
             computed = call_recorded(
-                state.scope(), grad_create_graph, gs, {}, start=state.start, leaf_map=state.leaf_map
+                state.scope(), grad_create_graph, gs, {}, start=state.start, leaf_map=state.leaf_map, shared=True
             )
-        else:
-            with state.scope():
-                computed = _grad(outs, tuple(state.inner_inputs), gs)
-        return (None, None, *computed)
+            return (None, *computed)
+        # The gate ran just before this node; the engine has released its saved sentinel
+        # already unless the graph is retained (or a saved-tensor hook took it: then keep).
+        ref = state.sentinel
+        keep = state.shared or ref is None or ref() is not None
+        with state.scope():
+            computed = _grad(outs, tuple(state.inner_inputs), gs, keep)
+        if not keep:
+            _release(state)
+        return (None, *computed)
+
+
+class _Gate(torch.autograd.Function):
+    """The identity on the boundary's outputs; shows the boundary whether the graph is retained.
+
+    The engine frees a node's saved tensors right after running it when the graph is not
+    retained, before it runs the nodes after it. So the boundary, which runs right after
+    this gate, sees the gate's saved sentinel gone exactly when ``retain_graph`` is off,
+    and can free the call's subgraph as it goes, as torch frees every other node's.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, sentinel: torch.Tensor, *outputs: torch.Tensor) -> tuple[Any, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(sentinel)
+        return tuple(o.detach() for o in outputs)
+
+    @staticmethod
+    def backward(_ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return (None, *grads)
 
 
 _warned: set[int] = set()
@@ -226,6 +247,18 @@ def _cut_arguments(
     return new_args, new_kwargs
 
 
+def _call_in_scope(
+    scope: fp32_precision_scope, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, cut: bool
+) -> Any:
+    try:
+        with scope:
+            return fn(*args, **kwargs)
+    except RuntimeError as e:
+        if cut and _IN_PLACE_ON_LEAF in str(e):
+            raise Fp32ScopeError(_IN_PLACE_MSG.format(name=scope._name)) from e
+        raise
+
+
 def _subgraph_leaves(roots: list[Any], start: int) -> dict[int, torch.Tensor] | str:
     """The leaves where the call's subgraph ends, or what makes it impossible to cut off.
 
@@ -263,19 +296,20 @@ def call_recorded(  # noqa: C901, PLR0913  (one pass over the outputs, on every 
     *,
     start: int | None = None,
     leaf_map: dict[int, torch.Tensor] | None = None,
+    shared: bool = False,
 ) -> Any:
     """Call ``fn(*args, **kwargs)`` in ``scope``; make its backward run in the scope too.
 
     Called only with grad mode on. ``start`` (for a recorded backward) widens what counts
     as the call's own subgraph to everything since that sequence number; ``leaf_map``
-    (likewise) maps the leaves of that subgraph that stand for the caller's tensors.
+    (likewise) maps the leaves of that subgraph that stand for the caller's tensors, and
+    ``shared`` says that subgraph is also another boundary's.
     """
     leaf_map = {} if leaf_map is None else dict(leaf_map)
     args, kwargs = _cut_arguments(args, kwargs, leaf_map)
     if start is None:
         start = _sequence_nr()
-    with scope:
-        result = fn(*args, **kwargs)
+    result = _call_in_scope(scope, fn, args, kwargs, cut=bool(leaf_map))
     single = isinstance(result, _Tensor)
     flat, out_spec = ([result], None) if single else _pytree.tree_flatten(result)
     positions: list[int] = []
@@ -302,11 +336,13 @@ def call_recorded(  # noqa: C901, PLR0913  (one pass over the outputs, on every 
         # Only the aliases the subgraph reaches: inner_inputs keeps them alive, so no id in
         # the map can be reused by another tensor.
         state = _State(scope, start, {k: leaf_map[k] for k in leaves if k in leaf_map})
+        state.shared = shared
         state.inner_outputs = inner_outputs
         state.inner_inputs = list(leaves.values())
+        boundary = _Boundary.apply(state, *(leaf_map.get(k, t) for k, t in leaves.items()))  # type: ignore[no-untyped-call]
         sentinel = _empty(0)
-        wrapped = _Boundary.apply(state, sentinel, *(leaf_map.get(k, t) for k, t in leaves.items()))  # type: ignore[no-untyped-call]
-        if sentinel._use_count() > 1:  # type: ignore[attr-defined]  # held by the node's saved tensors, not by a hook
+        wrapped = _Gate.apply(sentinel, *boundary)  # type: ignore[no-untyped-call]
+        if sentinel._use_count() > 1:  # type: ignore[attr-defined]  # held by the gate, not by a hook
             state.sentinel = weakref.ref(sentinel)
         for i, w in zip(positions, wrapped, strict=True):
             flat[i] = w
@@ -317,12 +353,14 @@ def call_recorded(  # noqa: C901, PLR0913  (one pass over the outputs, on every 
     return _pytree.tree_unflatten(flat, out_spec)  # type: ignore[arg-type]
 
 
+# Frames only (a compiled parent that calls a wrapper graph-breaks at the wrapper already):
+# all of this runs between the parent's graphs, as plain Python.
 _dynamo_exclude.exclude(
-    call_recorded,
-    _cut,
-    _cut_arguments,
-    _subgraph_leaves,
-    _warn_not_scoped,
-    _release_if_freed,
+    *(fn for fn in list(globals().values()) if isinstance(fn, FunctionType) and fn.__module__ == __name__),
+    _Boundary.forward,
+    _Boundary.backward,
+    _Gate.forward,
+    _Gate.backward,
+    _State.scope,
     graph_break=False,
 )

@@ -402,13 +402,14 @@ def test_an_unused_output_runs_no_backward() -> None:
 # -- torch features -------------------------------------------------------------------------
 
 
-def test_non_reentrant_checkpoint_recomputes_and_backpropagates_in_the_node_precision() -> None:
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpoint_recomputes_and_backpropagates_in_the_node_precision(reentrant: bool) -> None:
     from torch.utils.checkpoint import checkpoint
 
     a, b = twins()
     node = Fp32ScopedModule(a, FULL)
     x = torch.randn(4, 8, requires_grad=True)
-    loss = probe(cast("torch.Tensor", checkpoint(node, probe(x, "pre"), use_reentrant=False)), "post").sum()
+    loss = probe(cast("torch.Tensor", checkpoint(node, probe(x, "pre"), use_reentrant=reentrant)), "post").sum()
     probes.SEEN.clear()
     backward(loss)
     fwd = probes.phases("fwd")  # in backward: only the recompute runs forward code
@@ -453,6 +454,23 @@ def test_without_autograd_history_nothing_is_added(mode: str) -> None:
         out = node(torch.randn(4, 8, requires_grad=True))
     assert out.grad_fn is None
     assert probes.phases("fwd")["node-in"] == [FULL]
+
+
+def test_an_in_place_change_of_an_argument_is_refused_with_the_fix() -> None:
+    @with_fp32_precision(FULL, name="in-place")
+    def scales(x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2)
+
+    x = torch.randn(4, requires_grad=True) * 1  # has autograd history
+    before = _flags.read_all()
+    with pytest.raises(
+        Fp32ScopeError, match=r"'in-place' modified one of its tensor arguments in place.*backward=False"
+    ):
+        scales(x)
+    assert _flags.read_all() == before
+    # Forward-only, the same call works as it does unwrapped.
+    forward_only = with_fp32_precision(FULL, backward=False)(scales.__wrapped__)  # type: ignore[attr-defined]
+    torch.testing.assert_close(forward_only(torch.ones(2, requires_grad=True) * 1), torch.full((2,), 2.0))
 
 
 def test_the_backward_keyword_is_checked() -> None:

@@ -22,5 +22,6 @@ fi
   python3 -m pytest tests/gpu -m gpu -v -p no:cacheprovider -p no:fp32scope -W ignore::UserWarning
   python3 benchmarks/bench_gpu.py
   python3 benchmarks/bench_scope.py --number 5000 --repeats 9
+  python3 benchmarks/bench_training.py --repeats 9
   python3 -m fp32scope demo --device cuda
 } 2>&1 | tee "$out/gpu-run.log"
