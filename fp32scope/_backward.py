@@ -41,7 +41,7 @@ from fp32scope import _dynamo_exclude
 from fp32scope._errors import Fp32BackwardNotScopedWarning, Fp32ScopeError
 from fp32scope._scope import fp32_precision_scope, wrapper_scope
 
-__all__ = ["call_recorded", "grad_enabled"]
+__all__ = ["call_recorded", "grad_enabled", "recording_scope"]
 
 #: Bound once: checked on every wrapped call; under no_grad / inference_mode nothing else runs.
 grad_enabled = torch.is_grad_enabled
@@ -114,6 +114,18 @@ class _State:
     def scope(self) -> fp32_precision_scope:
         """A new scope for this call's backward (warnings and errors name the node)."""
         return wrapper_scope(self.precision, self.name or "backward")
+
+
+def recording_scope(scope: fp32_precision_scope) -> fp32_precision_scope:
+    """A twin of a wrapper's ``scope`` for :func:`call_recorded`, whose frames sit in between.
+
+    Warnings still point at the wrapper's caller: ``call_recorded`` and the call inside
+    it are two more frames between the scope's exit and that caller.
+    """
+    twin = wrapper_scope(scope.precision, scope._name or "")
+    twin._name = scope._name
+    twin._stacklevel = scope._stacklevel + 2
+    return twin
 
 
 def _release(state: _State) -> None:

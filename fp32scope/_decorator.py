@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import torch
 
 from fp32scope import _dynamo_exclude
-from fp32scope._backward import call_recorded, grad_enabled
+from fp32scope._backward import call_recorded, grad_enabled, recording_scope
 from fp32scope._precision import Fp32Precision, check_backward, check_precision
 from fp32scope._proxy import Fp32ScopedModule
 from fp32scope._scope import fp32_precision_scope, split, wrapper_scope
@@ -101,9 +101,11 @@ def _scoped_function(
     precision: Fp32Precision | None,
     backward: bool,
 ) -> Callable[..., Any]:
+    record_scope = recording_scope(scope)
+
     def scoped(*args: Any, **kwargs: Any) -> Any:
         if backward and grad_enabled():
-            return call_recorded(scope, target, args, kwargs)
+            return call_recorded(record_scope, target, args, kwargs)
         with scope:
             return target(*args, **kwargs)
 

@@ -10,7 +10,7 @@ import torch
 import wrapt
 
 from fp32scope import _dynamo_exclude
-from fp32scope._backward import call_recorded, grad_enabled
+from fp32scope._backward import call_recorded, grad_enabled, recording_scope
 from fp32scope._precision import Fp32Precision, check_backward, check_precision
 from fp32scope._scope import fp32_precision_scope, wrapper_scope
 
@@ -115,13 +115,14 @@ class Fp32ScopedModule(_ProxyBase):
         self._self_scope = wrapper_scope(checked, self._self_name)
         # Whether calls that record autograd history also scope their backward.
         self._self_backward = backward and self._self_scope._fields is not None
+        self._self_record_scope = recording_scope(self._self_scope)
 
     # ``self`` is positional-only so that a keyword argument named "self" still reaches
     # the module (wrapt's CallableObjectProxy gets the same by unpacking *args, which costs
     # a list on every call).
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if self._self_backward and grad_enabled():
-            return call_recorded(self._self_scope, self.__wrapped__, args, kwargs)
+            return call_recorded(self._self_record_scope, self.__wrapped__, args, kwargs)
         with self._self_scope:
             return self.__wrapped__(*args, **kwargs)
 
@@ -146,7 +147,7 @@ class Fp32ScopedModule(_ProxyBase):
         forward: Callable[..., Any] = self.__wrapped__.forward
         if self._self_precision is None or self._self_precision.is_noop:
             return forward
-        return _scoped_forward(forward, self._self_scope, self._self_backward)
+        return _scoped_forward(forward, self._self_scope, self._self_backward, self._self_record_scope)
 
     @forward.setter
     def forward(self, value: Callable[..., Any]) -> None:
@@ -199,10 +200,15 @@ for _name in SELF_RETURNING_METHODS:
 del _name
 
 
-def _scoped_forward(forward: Callable[..., Any], scope: fp32_precision_scope, backward: bool) -> Callable[..., Any]:
+def _scoped_forward(
+    forward: Callable[..., Any],
+    scope: fp32_precision_scope,
+    backward: bool,
+    record_scope: fp32_precision_scope,
+) -> Callable[..., Any]:
     def scoped_forward(*args: Any, **kwargs: Any) -> Any:
         if backward and grad_enabled():
-            return call_recorded(scope, forward, args, kwargs)
+            return call_recorded(record_scope, forward, args, kwargs)
         with scope:
             return forward(*args, **kwargs)
 
@@ -213,7 +219,9 @@ def _scoped_forward(forward: Callable[..., Any], scope: fp32_precision_scope, ba
 
 # Every closure of _scoped_forward shares one code object: marking one covers them all.
 _dynamo_exclude.exclude(Fp32ScopedModule.__call__)
-_dynamo_exclude.exclude(_scoped_forward(print, fp32_precision_scope(None), False), graph_break=False)
+_dynamo_exclude.exclude(
+    _scoped_forward(print, fp32_precision_scope(None), False, fp32_precision_scope(None)), graph_break=False
+)
 
 
 def precision_of(obj: object) -> Fp32Precision | None:

@@ -23,6 +23,7 @@ from hypothesis import given, settings
 
 from fp32scope import (
     Fp32BackwardNotScopedWarning,
+    Fp32FlagsChangedWarning,
     Fp32Precision,
     Fp32ScopedModule,
     Fp32ScopeError,
@@ -471,6 +472,20 @@ def test_an_in_place_change_of_an_argument_is_refused_with_the_fix() -> None:
     # Forward-only, the same call works as it does unwrapped.
     forward_only = with_fp32_precision(FULL, backward=False)(scales.__wrapped__)  # type: ignore[attr-defined]
     torch.testing.assert_close(forward_only(torch.ones(2, requires_grad=True) * 1), torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["recording", "no_grad"])
+def test_a_flag_change_inside_the_node_is_reported_at_the_callers_line(grad: bool) -> None:
+    @with_fp32_precision(FULL, name="flips")
+    def flips(x: torch.Tensor) -> torch.Tensor:
+        torch.set_float32_matmul_precision("medium")
+        return x * 2
+
+    x = torch.randn(2, requires_grad=True)
+    with torch.set_grad_enabled(grad), pytest.warns(Fp32FlagsChangedWarning, match="'flips'") as caught:
+        flips(x)
+    assert [w.filename for w in caught] == [__file__]
+    assert current_fp32_precision() == DEFAULT
 
 
 def test_the_backward_keyword_is_checked() -> None:
