@@ -2,11 +2,13 @@
 
 A wrapped call that records autograd history (grad mode on, an output requiring grad)
 is turned into one node of the caller's graph: its outputs are handed back detached, as
-the outputs of a custom ``autograd.Function`` (``_Boundary``) whose inputs are the
-tensors the call's own subgraph reached at its edge (the call's tensor arguments, the
-parameters and other leaves it used). The boundary node's backward runs
-``torch.autograd.grad`` from the call's real outputs to those tensors inside the call's
-precision scope, and hands the gradients back to the caller's graph. So:
+the outputs of a custom ``autograd.Function`` (``Fp32ScopedCall``) whose inputs are the
+tensors where the call's own subgraph ends (the call's tensor arguments, the parameters
+and other leaves it used). That node's backward runs autograd's engine from the call's
+real outputs to those tensors inside the call's precision scope, and hands the
+gradients back to the caller's graph. An identity node on top (``Fp32ScopedCallGate``)
+tells it whether the caller's graph is retained. In graph dumps they show as
+``Fp32ScopedCallGateBackward`` and ``Fp32ScopedCallBackward``. So:
 
 * every autograd node the call created runs its backward inside the scope, and only those
   (nodes before and after keep whatever precision is current when they run);
@@ -137,7 +139,7 @@ def _release(state: _State) -> None:
     state.leaf_map = {}
 
 
-class _Boundary(torch.autograd.Function):
+class Fp32ScopedCall(torch.autograd.Function):
     """One node standing for a scoped call's whole subgraph: its backward runs it, scoped."""
 
     @staticmethod
@@ -186,7 +188,7 @@ class _Boundary(torch.autograd.Function):
         return (None, *computed)
 
 
-class _Gate(torch.autograd.Function):
+class Fp32ScopedCallGate(torch.autograd.Function):
     """The identity on the boundary's outputs; shows the boundary whether the graph is retained.
 
     The engine frees a node's saved tensors right after running it when the graph is not
@@ -351,9 +353,9 @@ def call_recorded(  # noqa: C901, PLR0913  (one pass over the outputs, on every 
         state.shared = shared
         state.inner_outputs = inner_outputs
         state.inner_inputs = list(leaves.values())
-        boundary = _Boundary.apply(state, *(leaf_map.get(k, t) for k, t in leaves.items()))  # type: ignore[no-untyped-call]
+        boundary = Fp32ScopedCall.apply(state, *(leaf_map.get(k, t) for k, t in leaves.items()))  # type: ignore[no-untyped-call]
         sentinel = _empty(0)
-        wrapped = _Gate.apply(sentinel, *boundary)  # type: ignore[no-untyped-call]
+        wrapped = Fp32ScopedCallGate.apply(sentinel, *boundary)  # type: ignore[no-untyped-call]
         if sentinel._use_count() > 1:  # type: ignore[attr-defined]  # held by the gate, not by a hook
             state.sentinel = weakref.ref(sentinel)
         for i, w in zip(positions, wrapped, strict=True):
@@ -369,10 +371,10 @@ def call_recorded(  # noqa: C901, PLR0913  (one pass over the outputs, on every 
 # all of this runs between the parent's graphs, as plain Python.
 _dynamo_exclude.exclude(
     *(fn for fn in list(globals().values()) if isinstance(fn, FunctionType) and fn.__module__ == __name__),
-    _Boundary.forward,
-    _Boundary.backward,
-    _Gate.forward,
-    _Gate.backward,
+    Fp32ScopedCall.forward,
+    Fp32ScopedCall.backward,
+    Fp32ScopedCallGate.forward,
+    Fp32ScopedCallGate.backward,
     _State.scope,
     graph_break=False,
 )
