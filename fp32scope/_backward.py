@@ -53,6 +53,7 @@ _Tensor = torch.Tensor
 # them last; every other node numbers in creation order on its thread.
 _LEAF_SEQ = 2**64 - 1
 _empty = torch.empty
+_functorch_level = torch._C._functorch.maybe_current_level
 
 _run_engine: Callable[..., Any] | None
 try:  # torch >= 2.4: the engine call behind torch.autograd.grad, without its argument checks
@@ -211,17 +212,27 @@ class Fp32ScopedCallGate(torch.autograd.Function):
 _warned: set[int] = set()
 
 
-def _warn_not_scoped(name: str | None, what: str) -> None:
-    key = hash((name, what))
+def _warn_not_scoped(name: str | None, what: str, *, transform: bool = False) -> None:
+    key = hash((name, what, transform))
     if key in _warned:
         return
     _warned.add(key)
     where = f" {name!r}" if name is not None else ""
+    if transform:
+        why = (
+            "it is called inside a torch.func transform (grad, vmap, jacrev, ...), which differentiates "
+            "the call itself. Call the transform inside the node, or wrap the node with backward=False "
+            "to keep it forward-only and silence this warning."
+        )
+    else:
+        why = (
+            f"the call reaches {what}, which is neither one of its arguments nor a leaf, so its subgraph "
+            "cannot be cut off from the caller's graph. Pass that tensor as an argument, or wrap the node "
+            "with backward=False to keep it forward-only and silence this warning."
+        )
     msg = (
         f"The backward of scoped node{where} runs under the precision current when autograd reaches it, not "
-        f"the node's: the call reaches {what}, which is neither one of its arguments nor a leaf, so its "
-        "subgraph cannot be cut off from the caller's graph. Pass that tensor as an argument, or wrap the "
-        "node with backward=False to keep it forward-only and silence this warning."
+        f"the node's (its gradients are exact; only their precision is not the node's): {why}"
     )
     warnings.warn(msg, Fp32BackwardNotScopedWarning, stacklevel=4)
 
@@ -273,6 +284,15 @@ def _call_in_scope(
         raise
 
 
+def _call_in_transform(
+    scope: fp32_precision_scope, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    # Inside torch.func.grad / vmap / jacrev: a custom autograd.Function would need a
+    # functorch rule of its own; the transform differentiates the call as it is.
+    _warn_not_scoped(scope._name, "", transform=True)
+    return _call_in_scope(scope, fn, args, kwargs, cut=False)
+
+
 def _subgraph_leaves(roots: list[Any], start: int) -> dict[int, torch.Tensor] | str:
     """The leaves where the call's subgraph ends, or what makes it impossible to cut off.
 
@@ -302,7 +322,7 @@ def _subgraph_leaves(roots: list[Any], start: int) -> dict[int, torch.Tensor] | 
     return leaves
 
 
-def call_recorded(  # noqa: C901, PLR0913  (one pass over the outputs, on every training call)
+def call_recorded(  # noqa: C901, PLR0912, PLR0913  (one pass over the outputs, on every training call)
     scope: fp32_precision_scope,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -319,6 +339,8 @@ def call_recorded(  # noqa: C901, PLR0913  (one pass over the outputs, on every 
     (likewise) maps the leaves of that subgraph that stand for the caller's tensors, and
     ``shared`` says that subgraph is also another boundary's.
     """
+    if _functorch_level() is not None:
+        return _call_in_transform(scope, fn, args, kwargs)
     leaf_map = {} if leaf_map is None else dict(leaf_map)
     args, kwargs = _cut_arguments(args, kwargs, leaf_map)
     if start is None:

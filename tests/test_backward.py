@@ -180,6 +180,20 @@ def test_a_closure_over_an_activation_warns_and_keeps_gradients_exact() -> None:
     torch.testing.assert_close(grad_source, source.grad)
 
 
+def test_inside_a_torch_func_transform_the_node_is_differentiated_as_it_is_with_a_warning() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 8)
+    seen: list[Fp32Precision] = []
+    linear.register_forward_pre_hook(lambda *_: seen.append(current_fp32_precision()))
+    node = Fp32ScopedModule(linear, FULL, name="in-transform")
+    x = torch.randn(8)
+    with pytest.warns(Fp32BackwardNotScopedWarning, match="'in-transform'.*torch.func transform"):
+        got = torch.func.grad(lambda t: node(t).sum())(x)
+    expected = torch.func.grad(lambda t: linear(t).sum())(x)
+    torch.testing.assert_close(got, expected)
+    assert seen[0] == FULL
+
+
 # -- gradients ------------------------------------------------------------------------------
 
 
