@@ -29,7 +29,7 @@ def run_example(name: str) -> str:
 
 def test_every_example_is_tested() -> None:
     tested = {"compiled_nodes.py", "cuda_graph_capture.py", "engine_threads.py", "multiprocess_workers.py"}
-    tested |= {"pytest_plugin_suite.py"}
+    tested |= {"pytest_plugin_suite.py", "ddp_training.py"}  # ddp_training.py: in test_backward.py
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
