@@ -9,6 +9,11 @@ process state before and after the call, how many graphs were compiled and recom
 and, where the device shows a numeric effect of the default, each node's error against a
 float64 reference. On CUDA (``--device cuda``) each node is also captured in a CUDA graph
 inside its scope, and the measured steps replay the graphs.
+
+On a torch whose Dynamo turns a "medium" default into "high" whenever it compiles a frame
+(2.4 to 2.8; see :func:`fp32scope._dynamo_exclude.dynamo_resets_medium`), the engine with a
+"medium" default also scopes the nodes that declare nothing, with the default, so that
+every call starts from "medium" again, and the output says why.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 
 from fp32scope import _flags
 from fp32scope._cuda_graphs import capture_cuda_graph
+from fp32scope._dynamo_exclude import dynamo_resets_medium
 from fp32scope._node import node_fp32_precision
 from fp32scope._precision import MATMUL_PRECISIONS, Fp32Precision
 from fp32scope._process import current_fp32_precision, set_process_default
@@ -149,6 +155,8 @@ class DemoResult:
     effect_probe_max_abs_diff: float
     warmup_s: float
     steps_s: float
+    dynamo_resets_medium: bool | None = None
+    nodes_scoped_with_default: bool = False
 
     @property
     def numeric_effect(self) -> bool:
@@ -214,15 +222,20 @@ def _expected(declared: Fp32Precision | None, default: Fp32Precision) -> Fp32Pre
 class _Node:
     """One loaded node: the scoped compiled module, its counting backend, and its float64 twin."""
 
-    def __init__(self, name: str, module: torch.nn.Module, backend: str, default: Fp32Precision) -> None:
+    def __init__(
+        self, name: str, module: torch.nn.Module, backend: str, default: Fp32Precision, *, scope_default: bool
+    ) -> None:
         self.eager = module
         self.reference = copy.deepcopy(module).to("cpu", torch.float64)
         self.counter = _CountingBackend(backend)
         # torch.compile returns the module's OptimizedModule (typed as a plain callable).
         compiled = cast("torch.nn.Module", torch.compile(module, backend=self.counter))
         declared = node_fp32_precision(name, compiled)
-        self.scoped = Fp32ScopedModule(compiled, declared, name=name)
-        self.result = NodeResult(name, declared, _expected(declared, default))
+        expected = _expected(declared, default)
+        # scope_default: the node's scope also applies the default's fields it does not
+        # declare, so that a default Dynamo changed while compiling is put back after each call.
+        self.scoped = Fp32ScopedModule(compiled, expected if scope_default else declared, name=name)
+        self.result = NodeResult(name, declared, expected)
         # A pre-hook on the compiled module runs eagerly inside the node's call, within its
         # scope and before the compiled graph: a read inside the compiled forward itself
         # would be a graph break.
@@ -295,6 +308,8 @@ def run_demo(
     if target.type == "cuda" and not torch.cuda.is_available():
         msg = "device is CUDA, but torch.cuda.is_available() is False on this machine."
         raise RuntimeError(msg)
+    # Before anything is counted: the probe compiles a function of its own (once per process).
+    resets = dynamo_resets_medium() if default == "medium" else None
     saved = _flags.save_raw_state()
     torch._dynamo.reset()
     breaks_before = _graph_breaks()
@@ -302,7 +317,7 @@ def run_demo(
         precision = Fp32Precision(default, True)  # type: ignore[arg-type]
         set_process_default(precision)
         torch.manual_seed(0)
-        nodes = [_Node(name, cls().to(target), backend, precision) for name, cls in _NODES]
+        nodes = [_Node(name, cls().to(target), backend, precision, scope_default=bool(resets)) for name, cls in _NODES]
         x = torch.randn(_BATCH, _FEATURES // 2, generator=torch.Generator().manual_seed(0)).to(target)
         # An engine runs all forwards on one thread: the flags are process-wide, and
         # fp32scope refuses a scope on a second thread while one is active.
@@ -330,6 +345,8 @@ def run_demo(
             effect_probe_max_abs_diff=probe,
             warmup_s=warmup_s,
             steps_s=steps_s,
+            dynamo_resets_medium=resets,
+            nodes_scoped_with_default=bool(resets),
         )
     finally:
         _flags.restore_raw_state(saved)
@@ -392,6 +409,15 @@ def render(result: DemoResult) -> str:
         lines.append(
             f"numeric effect: none visible at default {r.default.matmul!r} on {r.device} (a 256x256 float32 "
             "matmul gives bit-identical results under it and under 'highest'), so no errors are shown."
+        )
+    if r.nodes_scoped_with_default:
+        lines.append(
+            f"torch {torch.__version__}: every torch.compile (Dynamo) compile turns a 'medium' default into "
+            "'high' (Dynamo writes the cuBLAS TF32 flag back through a setter that writes 'high'; torch 2.4 to "
+            "2.8). So this engine also scopes the nodes that declare nothing, with the default: each call "
+            "starts from 'medium' again (a node's compiling call itself runs under 'high'). Without that, "
+            "every node after the first compile would run 'high'. See 'A medium default on torch 2.4 to 2.8' "
+            "in the compiled-code guide."
         )
     lines.append("all nodes ok." if r.ok else "PROBLEM: a node ran with the wrong precision, recompiled, or broke.")
     return "\n".join(lines)

@@ -3,8 +3,10 @@
 torch keeps each flag twice, in the legacy API and in the per-backend ``fp32_precision``
 API (torch >= 2.9). Writes through one API do not always update the other, and the two can
 then disagree: a legacy getter raises, or (worse) answers a stale value without raising.
-The doctor reads every flag without changing any, names each disagreement, and says how to
-make the state consistent again.
+The doctor reads every flag, names each disagreement, and says how to make the state
+consistent again. It also finds out whether compiling with Dynamo turns a "medium" precision
+into "high" on this torch (2.4 to 2.8 do) by compiling one tiny probe function; that is the
+only time it writes flags, and it restores them exactly.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import torch
 
 from fp32scope import _flags
+from fp32scope._dynamo_exclude import dynamo_resets_medium
 
 __all__ = ["CudaDevice", "Diagnosis", "Problem", "add_arguments", "diagnose", "render", "run"]
 
@@ -73,6 +76,8 @@ class Diagnosis:
     cpu_capability: str | None
     problems: tuple[Problem, ...]
     fix: str | None
+    #: Whether a Dynamo compile turns "medium" into "high" here (None: the probe could not compile).
+    dynamo_resets_medium: bool | None = None
 
     @property
     def consistent(self) -> bool:
@@ -217,7 +222,24 @@ def diagnose() -> Diagnosis:
         cpu_capability=_cpu_capability(),
         problems=tuple(problems),
         fix=_fix(problems, str(effective.matmul), bool(effective.cudnn_allow_tf32)),
+        dynamo_resets_medium=dynamo_resets_medium(),
     )
+
+
+_DYNAMO_LINES: dict[bool | None, str] = {
+    True: (
+        "torch.compile: RESETS 'medium' to 'high': on this torch every frame Dynamo compiles leaves the matmul "
+        "precision at 'high' where it was 'medium' (Dynamo writes the cuBLAS TF32 flag back through a setter "
+        "that writes 'high'; torch 2.4 to 2.8). A scope that applies 'medium', or applies only the cuDNN "
+        "field, puts 'medium' back after the call it wraps (the compiling call itself runs under 'high'); all "
+        "other code runs 'high' after the first compile. "
+        "With a 'medium' default, wrap every compiled node, also those that declare nothing, with the default "
+        "(Fp32ScopedModule(torch.compile(m), Fp32Precision('medium'))), or call "
+        "fp32scope.set_process_default again after warm-up, and again after any recompile."
+    ),
+    False: "torch.compile: keeps a 'medium' matmul precision while it compiles (checked by compiling a probe).",
+    None: "torch.compile: not checked (Dynamo could not compile a probe function in this process).",
+}
 
 
 def render(diagnosis: Diagnosis) -> str:
@@ -248,6 +270,7 @@ def render(diagnosis: Diagnosis) -> str:
         f"  {name:<{width}}  {value if value == _flags.RAISES else repr(value)}" for name, value in d.readings.items()
     )
     lines.append(f"effective (fp32scope.current_fp32_precision()): {d.effective}")
+    lines.append(_DYNAMO_LINES[d.dynamo_resets_medium])
     lines.append("")
     if d.consistent:
         lines.append("consistent: the legacy and new readings agree and no getter raises.")

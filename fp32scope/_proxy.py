@@ -160,6 +160,18 @@ class Fp32ScopedModule(_ProxyBase):
     def forward(self) -> None:
         del self.__wrapped__.forward
 
+    def __bool__(self) -> bool:
+        # Truth is the wrapped module's (wrapt forwards it), with one exception: torch 2.10's
+        # OptimizedModule has a __len__ that raises TypeError for a module without a length,
+        # so bool() of a compiled module raises there, and Dynamo 2.10 takes bool() of a
+        # callable it is about to call: a compiled parent with this proxy around a compiled
+        # child failed with "InternalTorchDynamoError: TypeError: ... does not support len()".
+        # An object without a length is true.
+        try:
+            return bool(self.__wrapped__)
+        except TypeError:
+            return True
+
     def __repr__(self) -> str:
         return (
             f"Fp32ScopedModule(precision={self._self_precision!r}, name={self._self_name!r}, "

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from types import TracebackType
-from typing import Final
+from typing import Any, Final, NoReturn
 
 import torch
 
 from fp32scope import _dynamo_exclude, _flags
+from fp32scope._autograd_threads import runs_backward_for
 from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
 from fp32scope._precision import MATMUL_PRECISIONS, Fp32Precision, check_precision
 
@@ -47,6 +49,59 @@ _COMPILING_MSG: Final = (
     "compiled region: with_fp32_precision(precision)(torch.compile(fn)) or "
     "Fp32ScopedModule(torch.compile(module), precision)."
 )
+
+
+def _torch_older_than(major: int, minor: int) -> bool:
+    # torch.__version__ is a TorchVersion (compares with tuples) on every supported torch;
+    # parsing the string keeps local builds such as "2.4.1+cu121" or "2.10.0a0" working too.
+    release = str(torch.__version__).split("+", 1)[0].split(".")
+    numbers = tuple(int("".join(ch for ch in part if ch.isdigit()) or 0) for part in release[:2])
+    return numbers < (major, minor)
+
+
+# Dynamo before torch 2.8 cannot enter a context manager that user code made inside the
+# traced region (torch 2.4: "BEFORE_WITH UserDefinedObjectVariable(...)"), so it never
+# reaches __enter__ and its refusal; there the scope refuses where it is made. Newer Dynamo
+# traces __enter__. Only there is the check skipped at construction: it would cost every
+# ``with fp32_precision_scope(...)`` another is_compiling() call (about 50 ns).
+_REFUSE_WHEN_MADE: Final = _torch_older_than(2, 8)
+
+# torch without the per-backend fp32_precision API (< 2.9): Dynamo saves the cuBLAS TF32
+# bool before it converts a frame and writes it back afterwards through the legacy setter,
+# which writes "high" for True. So every frame compiled while "medium" holds leaves "high"
+# behind, also inside a scope (torch 2.4.1 and 2.8.0 observed; 2.10 restores through the
+# per-backend API and keeps "medium"). Scopes that can meet this (a matmul field of "medium",
+# or none) get _LegacyDynamoScope, which tells torch's reset from the block's own writes.
+_LEGACY_DYNAMO: Final = not _flags.HAS_NEW_API
+_KEPT_BY_LEGACY_SCOPE: Final = (None, "medium")
+_GM = torch._C._get_float32_matmul_precision
+_SM = torch._C._set_float32_matmul_precision
+_GB = torch._C._get_cudnn_allow_tf32
+
+
+def _graph_break_with_reason(ctx: Any) -> None:
+    # Runs inside Dynamo, at trace time (torch._dynamo.comptime): a graph break whose reason
+    # is the library's message. Every supported Dynamo reports that reason, and under
+    # fullgraph=True raises it (torch 2.4 prints it as is; later releases as the context of a
+    # "ComptimeContext graph break").
+    ctx.graph_break(_COMPILING_MSG)
+
+
+def _refuse_traced() -> NoReturn:
+    """Refuse a scope in a region Dynamo traces, so that Dynamo reports the library's message.
+
+    Only ever reached from code that Dynamo inlines (the scope's frames are excluded from
+    its frame callback), where ``is_compiling()`` folds to True. An exception raised in
+    traced code reaches the user without its message on torch 2.4 and 2.8 ("BEFORE_WITH
+    ...", "Observed exception ..."), so the refusal is a comptime graph break carrying the
+    message instead. Outside Dynamo (another tracer for which ``is_compiling()`` is True)
+    ``comptime`` does nothing and the Fp32ScopeError below is raised.
+    """
+    from torch._dynamo.comptime import comptime
+
+    comptime(_graph_break_with_reason)
+    raise Fp32ScopeError(_COMPILING_MSG)
+
 
 _CHECKED: Final = MATMUL_PRECISIONS
 
@@ -123,10 +178,11 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
     Inside the scope the flags are consistent: ``torch.get_float32_matmul_precision()``
     equals ``precision.matmul`` and the legacy and new readings of each applied flag agree.
 
-    Raises :class:`~fp32scope.Fp32ScopeError` on entry inside a region that
-    ``torch.compile`` is tracing (Dynamo turns it into a graph break, so the frame runs
-    eagerly, or under ``fullgraph=True`` into an error carrying the message: wrap the
-    compiled callable instead), or on one thread while another thread is inside a scope
+    Refused inside a region that ``torch.compile`` is tracing, where it is made or entered:
+    Dynamo gets a graph break carrying the library's message (the frame runs eagerly, or
+    under ``fullgraph=True`` compilation fails with that message: wrap the compiled
+    callable instead); other tracers get :class:`~fp32scope.Fp32ScopeError`. Raises
+    :class:`~fp32scope.Fp32ScopeError` on one thread while another thread is inside a scope
     (the flags are process-wide). Warns :class:`~fp32scope.Fp32FlagsChangedWarning` on exit
     when the block changed the flags the scope applied. Where the flags already hold the
     precision (torch's legacy getters say so without raising), nothing is saved or
@@ -144,9 +200,13 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
     'high'
     """
 
-    __slots__ = ("_fields", "_name", "_outer", "_stacklevel", "_token")
+    # _marks is used by _LegacyDynamoScope only; declared here so that an instance can
+    # switch to that subclass (same layout) when it is made.
+    __slots__ = ("_fields", "_marks", "_name", "_outer", "_stacklevel", "_token")
 
     def __init__(self, precision: Fp32Precision | None) -> None:
+        if _REFUSE_WHEN_MADE and _is_compiling():
+            _refuse_traced()
         # The common case inline (this runs on every scoped call); split() checks the rest
         # and raises with the field named. An Fp32Precision is itself the (matmul, cudnn) pair.
         t = b = None
@@ -160,6 +220,9 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
         self._outer: list[Token] | None = None  # tokens of outer entries of this same object
         self._name: str | None = None
         self._stacklevel = 2
+        if _LEGACY_DYNAMO and self._fields is not None and self._fields[0] in _KEPT_BY_LEGACY_SCOPE:
+            self.__class__ = _LegacyDynamoScope
+            self._marks: list[tuple[int, bool]] = []
 
     @property
     def precision(self) -> Fp32Precision | None:
@@ -171,12 +234,12 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
         if fields is None:
             return
         # Dynamo folds this call to True while it traces, so a scope entered in traced code
-        # raises there (a graph break, or under fullgraph=True an error with this message).
+        # refuses there (a graph break, or under fullgraph=True an error with the message).
         if _is_compiling():
-            raise Fp32ScopeError(_COMPILING_MSG)
+            _refuse_traced()
         me = _get_ident()
         owner = _claim(0, me)
-        if owner != me:
+        if owner != me and not runs_backward_for(owner):
             where = f" around {self._name!r}" if self._name is not None else ""
             raise conflict_error(f"Cannot enter an fp32_precision_scope{where}", owner)
         global _depth  # noqa: PLW0603
@@ -217,6 +280,66 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
         return f"fp32_precision_scope({self.precision!r})"
 
 
+def _dynamo_frames() -> int:
+    """How many frames Dynamo has been asked to convert so far (-1 before Dynamo is imported)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return -1
+    frames: int = utils.counters["frames"]["total"]
+    return frames
+
+
+class _LegacyDynamoScope(fp32_precision_scope):
+    """A scope on torch < 2.9 whose matmul field is "medium" or None (see _LEGACY_DYNAMO).
+
+    A Dynamo frame conversion inside the block turns "medium" into "high". That is torch's
+    doing, not the block's: for a "medium" scope the exit puts "medium" back (as for any
+    change) without warning that the wrapped code changed the flags; a scope that leaves the
+    matmul precision alone puts back a "medium" it found on entry, so that the wrapped call
+    leaves the process as it found it. "Torch's doing" means: Dynamo converted a frame
+    during the block and the precision reads exactly "high" ("medium" with the cuBLAS TF32
+    bool written back); the block's own writes are told apart only where no frame was
+    compiled. The common scopes never take this path.
+    """
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        fp32_precision_scope.__enter__(self)  # refuses in traced code, claims the thread, applies
+        fields = self._fields
+        # After apply: a None matmul field was not written, so the reading is the entry's.
+        mark = (_dynamo_frames(), fields is not None and fields[0] is None and _GM() == "medium")
+        self._marks.append(mark)  # one per entry that applied, like the tokens
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        token = self._token
+        if token is None:
+            return
+        frames, keep_medium = self._marks.pop()
+        t, b = token[0], token[1]
+        reset = _dynamo_frames() != frames and _GM() == "high"
+        # torch's reset alone: the matmul field went "medium" -> "high" while Dynamo compiled,
+        # and the cuDNN field (if any) still holds.
+        torch_only = reset and t == "medium" and (b is None or _GB() is b)
+        self._token = self._outer.pop() if self._outer else None
+        global _depth  # noqa: PLW0603
+        try:
+            changed = _restore(token)
+            if keep_medium and reset:
+                _SM("medium")
+        finally:
+            _depth -= 1
+            if _depth == 0:
+                _owner.pop(0, None)
+        if changed is not None and not torch_only:
+            _warn_changed(changed, self._name, self._stacklevel)
+
+
 def wrapper_scope(precision: Fp32Precision | None, name: str) -> fp32_precision_scope:
     """A scope for a wrapper to enter around each call; warnings point at the wrapper's caller."""
     scope = fp32_precision_scope(precision)
@@ -225,13 +348,21 @@ def wrapper_scope(precision: Fp32Precision | None, name: str) -> fp32_precision_
     return scope
 
 
-# Frames only (no graph-break mark): Dynamo still inlines __enter__ into traced user code,
-# where is_compiling() folds to True and the scope raises with its own message.
+# Frames only (no graph-break mark): Dynamo still inlines __init__ and __enter__ into traced
+# user code, where is_compiling() folds to True and the scope refuses with its own message.
+# As frames of their own (called from a compiled region's eager parts) they must never be
+# converted: there is_compiling() would fold to True too, and the code after the comptime
+# graph break would run for real and raise.
 _dynamo_exclude.exclude(
     _release,
     _warn_changed,
+    _refuse_traced,
+    _dynamo_frames,
+    fp32_precision_scope.__init__,
     fp32_precision_scope.__enter__,
     fp32_precision_scope.__exit__,
+    _LegacyDynamoScope.__enter__,
+    _LegacyDynamoScope.__exit__,
     graph_break=False,
 )
 _dynamo_exclude.exclude(

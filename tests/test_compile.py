@@ -1,7 +1,15 @@
-"""torch.compile: no recompiles across process defaults, real CPU numerics, compiled parents."""
+"""torch.compile: no recompiles across process defaults, real CPU numerics, compiled parents.
+
+These run on every supported torch. Where a release differs, the test says so: on torch 2.4
+to 2.8 every Dynamo compile turns a "medium" default into "high" (see
+fp32scope._dynamo_exclude.dynamo_resets_medium), so the tests that measure under a "medium"
+default set it again after the compiling calls, as the docs tell an engine to; and torch
+2.4's Dynamo reports a disabled function by name, without the reason the library gives.
+"""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,7 +61,7 @@ class Counting:
 
 @contextmanager
 def forbid_recompiles() -> Iterator[None]:
-    """Make any recompile an error (torch 2.13 spells the old error_on_recompile this way)."""
+    """Make any recompile an error (torch >= 2.6 spells the old error_on_recompile as a limit)."""
     config = torch._dynamo.config
     if "error_on_recompile" in config._config:  # type: ignore[attr-defined]
         with config.patch(error_on_recompile=True):
@@ -123,6 +131,11 @@ def test_numerics_a_wrapped_compiled_linear_runs_in_full_fp32_under_a_medium_def
         twin = torch.nn.Linear(512, 512)
         twin.load_state_dict(linear.state_dict())
         unwrapped = torch.compile(twin)
+        # The compiling calls first: on torch <= 2.8 they leave "high" behind (and the
+        # unwrapped one's own compiling call runs under it), so the default is set again.
+        wrapped(x)
+        unwrapped(x)
+        set_process_default(Fp32Precision("medium", True))
         out_wrapped = wrapped(x)
         out_unwrapped = unwrapped(x)
     assert torch.get_float32_matmul_precision() == "medium"
@@ -196,7 +209,11 @@ def test_compiled_parent_runs_the_child_in_its_scope_and_the_rest_under_the_defa
         a_medium = parent.pre(x)
         b_from_full_a = child(torch.relu(a_full))
         set_process_default(Fp32Precision("medium", True))
-        a, b, _ = torch.compile(parent)(x)
+        compiled = torch.compile(parent)
+        compiled(x)  # compiles; on torch <= 2.8 that leaves "high" behind: set the default again
+        set_process_default(Fp32Precision("medium", True))
+        with forbid_recompiles():
+            a, b, _ = compiled(x)
         b_expected = Fp32ScopedModule(child, FULL)(torch.relu(a))
     assert torch.get_float32_matmul_precision() == "medium"
     gap = (a_medium - a_full).abs().max().item()
@@ -208,7 +225,11 @@ def test_compiled_parent_runs_the_child_in_its_scope_and_the_rest_under_the_defa
 
 def test_fullgraph_parent_with_a_scoped_child_is_refused_with_the_reason() -> None:
     parent, x = parent_with_scoped_child()
-    with pytest.raises(RuntimeError, match="fp32scope"), torch.no_grad():
+    if "reason" in inspect.signature(torch._dynamo.disable).parameters:
+        reason = "fp32scope: a scoped call changes torch's process-wide float32 precision flags"
+    else:  # torch 2.4's Dynamo names the disabled function and gives no reason
+        reason = r"disable\(\) wrapped function <function Fp32ScopedModule.__call__"
+    with pytest.raises(RuntimeError, match=reason), torch.no_grad():
         torch.compile(parent, backend="eager", fullgraph=True)(x)
 
 
@@ -226,6 +247,11 @@ def test_a_decorated_function_inside_a_compiled_function_breaks_cleanly() -> Non
     assert torch.get_float32_matmul_precision() == "high"
 
 
+# torch 2.4 and 2.8 compile the recording hook as a frame of its own and warn that
+# list.append is a graph break there (each in its own words); the hook still runs, inside
+# the scope.
+@pytest.mark.filterwarnings("ignore:Graph break due to unsupported builtin:UserWarning")
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin:UserWarning")
 def test_compiling_the_proxy_itself_also_runs_the_module_in_its_scope() -> None:
     # The usual way is Fp32ScopedModule(torch.compile(m)); torch.compile(Fp32ScopedModule(m))
     # must not trace the scope either: the proxy's call stays eager, the module compiles inside.

@@ -14,6 +14,7 @@ import torch
 from fp32scope import Fp32Precision, _flags
 from fp32scope.__main__ import main
 from fp32scope._demo import NodeResult, run_demo
+from fp32scope._dynamo_exclude import dynamo_resets_medium
 
 ROOT = Path(__file__).resolve().parent.parent
 HIGH = {"matmul": "high", "cudnn_allow_tf32": True}
@@ -143,3 +144,23 @@ def test_inductor_demo_as_nox_runs_it() -> None:
     assert [node["recompiles"] for node in data["nodes"]] == [0, 0, 0]
     assert [node["ran_with"] for node in data["nodes"]] == [HIGH, HIGH, FULL]
     assert data["warmup_s"] < 60
+
+
+def test_a_medium_default_says_what_dynamo_does_to_it(capsys: pytest.CaptureFixture[str]) -> None:
+    # torch 2.4 to 2.8 turn "medium" into "high" at every Dynamo compile. There the demo
+    # scopes the nodes that declare nothing with the default, and says why; elsewhere it
+    # leaves them unscoped and says nothing about it.
+    resets = dynamo_resets_medium()
+    status, data = run_json(capsys, "--default", "medium", "--steps", "1")
+    assert status == 0
+    assert data["dynamo_resets_medium"] is resets
+    assert data["nodes_scoped_with_default"] is bool(resets)
+    assert main(["demo", "--backend", "eager", "--default", "medium", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    explained = "every torch.compile (Dynamo) compile turns a 'medium' default into 'high'" in out
+    assert explained is bool(resets), out
+    assert out.rstrip().endswith("all nodes ok.")
+    # Under the other defaults the probe is not needed and not run.
+    status, data = run_json(capsys, "--steps", "1")
+    assert data["dynamo_resets_medium"] is None
+    assert data["nodes_scoped_with_default"] is False

@@ -15,13 +15,20 @@ import torch
 
 from fp32scope import _flags
 from fp32scope.__main__ import main
+from fp32scope._dynamo_exclude import dynamo_resets_medium
 
 ROOT = Path(__file__).resolve().parent.parent
 MATMUL = _flags.LEGACY_MATMUL
 CUBLAS = _flags.LEGACY_CUBLAS
 CUDNN = _flags.LEGACY_CUDNN
 
-needs_new_api = pytest.mark.skipif(not _flags.HAS_NEW_API, reason="mixed states need torch's fp32_precision API")
+needs_new_api = pytest.mark.skipif(
+    not _flags.HAS_NEW_API,
+    reason=(
+        f"torch {torch.__version__} has only the legacy API (the per-backend fp32_precision API came in "
+        "torch 2.9): the two APIs cannot disagree, so there is no mixed state to diagnose"
+    ),
+)
 
 
 def doctor(setup: str, *args: str) -> tuple[int, str]:
@@ -195,3 +202,19 @@ def test_import_option_checks_what_a_module_sets_at_import(tmp_path: Path) -> No
     data = json.loads(done.stdout)
     assert data["readings"][CUBLAS] == _flags.RAISES
     assert data["consistent"] is False
+
+
+def test_doctor_says_what_a_compile_does_to_medium(capsys: pytest.CaptureFixture[str]) -> None:
+    # Found by compiling a probe (torch 2.4 to 2.8 reset "medium" to "high"); the flags
+    # are as they were afterwards (test_doctor_changes_no_flag).
+    resets = dynamo_resets_medium()
+    assert resets is not None
+    assert main(["doctor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dynamo_resets_medium"] is resets
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    if resets:
+        assert "torch.compile: RESETS 'medium' to 'high'" in out
+        assert "call fp32scope.set_process_default again after warm-up" in out
+    else:
+        assert "torch.compile: keeps a 'medium' matmul precision while it compiles" in out
