@@ -1,14 +1,20 @@
-"""Development sessions: tests, lint, typecheck, docs, bench, demo, examples.
+"""Development sessions: tests, lint, typecheck, docs, bench, demo, examples; the torch matrix.
 
 Every session installs torch==2.13.0 (its CPU build lies on the CI machine's disk; a
 looser requirement would download a multi-GB CUDA build) unless the environment variable
 FP32SCOPE_TORCH names another version, which becomes the session's ``torch`` parameter:
 ``FP32SCOPE_TORCH=2.14.1 nox -s tests``.
+
+The torch matrix: one test session per tested release, ``tests-<release>`` (e.g.
+``nox -s tests-2.4.1``), all tagged ``torch-matrix``: ``nox -t torch-matrix`` runs the whole
+matrix. Each venv takes 1-7 GB (the registry's releases are CUDA builds); ``.nox/`` can be
+removed afterwards.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import nox
@@ -17,7 +23,13 @@ nox.options.error_on_missing_interpreters = True
 nox.options.default_venv_backend = "virtualenv"  # pip-based: pip sees the on-disk torch build
 nox.options.sessions = ["tests", "lint", "typecheck", "docs", "examples", "demo"]
 
-TORCH_VERSIONS = [os.environ.get("FP32SCOPE_TORCH", "2.13.0")]
+DEFAULT_TORCH = "2.13.0"
+TORCH_VERSIONS = [os.environ.get("FP32SCOPE_TORCH", DEFAULT_TORCH)]
+
+#: The releases the package is tested on, oldest first: the floor of ``torch>=2.4`` in
+#: pyproject.toml, the last release without the per-backend fp32_precision API (2.8), the
+#: first tested one with it, the default, and the newest this machine's pip may install.
+TORCH_RELEASES = ["2.4.1", "2.8.0", "2.10.0", "2.13.0", "2.14.1"]
 
 
 def install(session: nox.Session, torch: str, *extras: str) -> None:
@@ -33,6 +45,22 @@ def tests(session: nox.Session, torch: str) -> None:
     """Run the test suite (CPU; the GPU tests skip themselves without CUDA)."""
     install(session, torch, "test")
     session.run("pytest", *session.posargs)
+
+
+def _matrix_session(release: str) -> Callable[[nox.Session], None]:
+    def run_tests(session: nox.Session) -> None:
+        install(session, release, "test")
+        session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+        # pytest's -ra (pyproject.toml) lists each skip with its reason: a test that cannot
+        # run on a release says why.
+        session.run("pytest", *session.posargs)
+
+    run_tests.__doc__ = f"Run the test suite on torch {release} (part of the torch matrix: nox -t torch-matrix)."
+    return run_tests
+
+
+for _release in TORCH_RELEASES:
+    nox.session(name=f"tests-{_release}", tags=["torch-matrix"])(_matrix_session(_release))
 
 
 @nox.session
@@ -57,6 +85,9 @@ def typecheck(session: nox.Session, torch: str) -> None:
 def docs(session: nox.Session, torch: str) -> None:
     """Build the Sphinx docs with warnings as errors, and run their doctests."""
     install(session, torch, "docs")
+    # torch warns "Failed to initialize NumPy" on import without NumPy (which it does not
+    # require): the build imports torch, and a first run should show nothing to wonder about.
+    session.install("numpy")
     session.run("sphinx-build", "-W", "-n", "-T", "--keep-going", "-b", "html", "docs", "docs/_build/html")
     session.run("sphinx-build", "-W", "-n", "-T", "--keep-going", "-b", "doctest", "docs", "docs/_build/doctest")
 
@@ -82,5 +113,6 @@ def demo(session: nox.Session, torch: str) -> None:
 def examples(session: nox.Session, torch: str) -> None:
     """Run every script in examples/ as a user would."""
     install(session, torch, "test")
+    session.install("numpy")  # as most users have it; else torch's import warns "Failed to initialize NumPy"
     for script in sorted(Path("examples").glob("*.py")):
         session.run("python", str(script))

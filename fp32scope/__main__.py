@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 
 __all__ = ["main"]
+
+
+def _import_torch_quietly() -> None:
+    # Where NumPy is not installed, ``import torch`` warns "Failed to initialize NumPy: No
+    # module named 'numpy'". The demo and doctor use no NumPy, so on a first run (a fresh
+    # venv has none) the warning only makes the user wonder what broke. Only this command
+    # line ignores it, and only around the import: a library user still sees it.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+        import torch  # noqa: F401
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` names (default: ``sys.argv[1:]``); returns the exit status."""
+    _import_torch_quietly()
     args = _parser().parse_args(argv)
     status: int = args.run(args)
     return status

@@ -214,26 +214,38 @@ if HAS_NEW_API:
     # leave a raw value open, and writes only what differs.
 
     def _matmul_held(target: str) -> bool:
-        # torch's own view: the legacy getter says ``target`` and neither legacy getter
-        # raises. For "highest" no raise already rules out TF32 and bf16 on both backends;
-        # for "high" and "medium" the cuBLAS getter answers without raising exactly when
-        # cuda/matmul reads tf32 (and is cheaper than the string getter).
+        # The definition of "held" for the matmul field; apply and restore inline it.
+        # Every slot the field governs resolves to what torch's legacy setter writes for
+        # ``target`` (cuda/matmul and mkldnn/matmul), and the legacy getter says ``target``.
+        # A slot resolving to "none" computes exactly as "ieee" (torch's kernels only ask
+        # "tf32?" / "bf16?"), so for "highest" the getter not raising is enough: it raises
+        # whenever either slot resolves to tf32 or bf16 there. For "high" and "medium" it
+        # rules out only the other reduced type on oneDNN: oneDNN may still resolve to
+        # "ieee"/"none" (full fp32 while every legacy reading says otherwise), so its
+        # slot is read. The cuBLAS getter answers without raising exactly when cuda/matmul
+        # resolves to tf32 (and is cheaper than the string getter).
         try:
-            return _GM() == target and (target == "highest" or _GBLAS() is True)
+            return _GM() == target and (
+                target == "highest" or (_GBLAS() is True and _G("mkldnn", "matmul") == SM_WRITES_MKLDNN[target])
+            )
         except RuntimeError:
             return False
 
     def apply(t: str | None, b: bool | None) -> Token:  # noqa: C901, PLR0912, PLR0915  (hot path: one flat function on purpose)
         """Apply the fields that are not None; returns the token :func:`restore` takes.
 
-        A field that already holds is not written (and nothing of it is saved). "Holds" is
-        torch's own view: for the matmul field, ``get_float32_matmul_precision()`` returns
-        ``t`` and neither it nor the cuBLAS legacy getter raises (so cuBLAS TF32 is on
-        exactly for "high" and "medium"); for cuDNN, ``torch.backends.cudnn.allow_tf32``
-        reads ``b`` without raising (so conv and rnn agree with it) and, for False,
-        cudnn.fp32_precision does not read "tf32". Otherwise the exact raw state is saved
-        first: E, B and each written slot's raw value, read off the readings where they
-        decide it and probed where they do not.
+        A field that already holds is not written (and nothing of it is saved). "Holds"
+        means that every slot the field governs resolves to what torch's legacy setter
+        writes for the value, and the legacy getter shows the value without raising: for
+        the matmul field, ``get_float32_matmul_precision()`` returns ``t``, cuda/matmul
+        resolves to tf32 exactly for "high" and "medium", and mkldnn/matmul resolves to
+        tf32 for "high", bf16 for "medium" and neither for "highest" (a slot resolving to
+        "none" computes as "ieee"); for cuDNN, ``torch.backends.cudnn.allow_tf32`` reads
+        ``b`` without raising (so conv and rnn both resolve to tf32 exactly when ``b``)
+        and, for False, cudnn.fp32_precision does not read "tf32". :func:`restore` checks
+        the same definition on exit. Otherwise the exact raw state is saved first: E, B and
+        each written slot's raw value, read off the readings where they decide it and
+        probed where they do not.
 
         cuDNN: torch's legacy setter writes conv and rnn as "none" for False, which
         resolves to tf32 under a tf32 parent (cudnn.fp32_precision, cuda/all, or
@@ -251,7 +263,7 @@ if HAS_NEW_API:
             held = e == t  # _matmul_held, inline: e is needed below
             if held and t != "highest":
                 try:
-                    held = _GBLAS() is True
+                    held = _GBLAS() is True and _G("mkldnn", "matmul") == SM_WRITES_MKLDNN[t]
                 except RuntimeError:
                     held = False
             if not held:
@@ -348,8 +360,10 @@ if HAS_NEW_API:
                     if _G("cuda", "all") == "tf32":
                         _S("cuda", "all", "ieee")
         if t is not None:
-            try:  # _matmul_held, inline
-                ok = _GM() == t and (t == "highest" or _GBLAS() is True)
+            try:  # _matmul_held, inline: the exit check uses the entry's definition
+                ok = _GM() == t and (
+                    t == "highest" or (_GBLAS() is True and _G("mkldnn", "matmul") == SM_WRITES_MKLDNN[t])
+                )
             except RuntimeError:
                 ok = False
             if not ok:
@@ -401,7 +415,14 @@ if HAS_NEW_API:
 
 
 def legacy_apply(t: str | None, b: bool | None) -> Token:
-    """Apply the fields that are not None through the legacy API; returns the token."""
+    """Apply the fields that are not None through the legacy API; returns the token.
+
+    Before torch 2.9 the enum E is the whole matmul state (cuBLAS TF32 for "high" and
+    "medium", oneDNN bf16 for "medium") and the bool B the whole cuDNN state, so a field
+    "holds" (every backend it governs computes as the legacy setter leaves it) exactly
+    when E or B equals it. torch 2.7 and 2.8's oneDNN TF32 bool (Intel GPUs) is written by
+    no matmul setter, so it is not part of the matmul field and never touched here.
+    """
     sm: MatmulSaved | None = None
     if t is not None:
         e: str = _GM()

@@ -7,14 +7,28 @@ from collections.abc import Iterator
 import pytest
 
 from fp32scope import _flags, _scope
+from tests.releases import TORCH_RELEASE
+
+
+def pytest_report_header() -> str:
+    """Say which torch, and which of fp32scope's implementations, this run tests."""
+    api = "legacy and per-backend fp32_precision" if _flags.HAS_NEW_API else "legacy only (before torch 2.9)"
+    return f"fp32scope: torch {TORCH_RELEASE}, precision API: {api}"
 
 
 @pytest.fixture(autouse=True)
 def _restore_process_flags() -> Iterator[None]:
     """Restore the exact raw flag state after each test, so tests cannot leak into each other."""
+    import torch
+
     state = _flags.save_raw_state()
+    # torch 2.7+'s oneDNN TF32 bool (Intel GPUs) is no scope's business, but the state
+    # machines write it: put it back too where this build stores it (elsewhere it reads None).
+    onednn = torch._C._get_onednn_allow_tf32() if hasattr(torch._C, "_get_onednn_allow_tf32") else None
     yield
     _flags.restore_raw_state(state)
+    if onednn is not None:
+        torch._C._set_onednn_allow_tf32(onednn)
     # A test that fails inside a scope on another thread must not poison the next test.
     _scope._owner.clear()
     _scope._depth = 0

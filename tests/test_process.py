@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 
 from fp32scope import Fp32Precision, _flags, current_fp32_precision, set_process_default
+from tests.releases import make_unusual_state, needs_new_api
 from tests.torch_model import TorchModel
 
 ALL = [Fp32Precision(m, c) for m in ("highest", "high", "medium") for c in (True, False)]
@@ -17,21 +18,27 @@ ALL = [Fp32Precision(m, c) for m in ("highest", "high", "medium") for c in (True
 
 @pytest.mark.parametrize("precision", ALL, ids=str)
 def test_set_process_default_is_consistent_in_both_apis(precision: Fp32Precision) -> None:
-    # Start from a mixed state with tf32 parents, the hardest place to be consistent from.
-    torch.backends.fp32_precision = "tf32"  # type: ignore[attr-defined]
-    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    # Start from a mixed state with tf32 parents, the hardest place to be consistent from
+    # (before torch 2.9, from a non-default legacy state: there is one API only).
+    if _flags.HAS_NEW_API:
+        torch.backends.fp32_precision = "tf32"  # type: ignore[attr-defined]
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+    else:
+        make_unusual_state()
     set_process_default(precision)
     readings = _flags.read_all()
     assert _flags.RAISES not in readings.values()
     assert torch.get_float32_matmul_precision() == precision.matmul
     assert torch.backends.cuda.matmul.allow_tf32 is (precision.matmul != "highest")
     assert torch.backends.cudnn.allow_tf32 is precision.cudnn_allow_tf32
+    assert current_fp32_precision() == precision
+    if not _flags.HAS_NEW_API:
+        return
     tf32 = "tf32" if precision.cudnn_allow_tf32 else None
     for op in ("conv", "rnn"):
         assert (getattr(torch.backends.cudnn, op).fp32_precision == "tf32") is (tf32 is not None)
     if not precision.cudnn_allow_tf32:
         assert torch.backends.cudnn.fp32_precision != "tf32"
-    assert current_fp32_precision() == precision
 
 
 def test_a_none_field_is_left_as_it_is() -> None:
@@ -39,13 +46,18 @@ def test_a_none_field_is_left_as_it_is() -> None:
     before = _flags.read_all()
     set_process_default(Fp32Precision(None, False))
     after = _flags.read_all()
-    for name in (_flags.LEGACY_MATMUL, _flags.LEGACY_CUBLAS, _flags.SLOT_NAMES["mkldnn", "matmul"]):
+    matmul_names = [_flags.LEGACY_MATMUL, _flags.LEGACY_CUBLAS]
+    if _flags.HAS_NEW_API:
+        matmul_names.append(_flags.SLOT_NAMES["mkldnn", "matmul"])
+    for name in matmul_names:
         assert after[name] == before[name]
+    assert after[_flags.LEGACY_CUDNN] is False
     set_process_default(None)
     set_process_default(Fp32Precision())
     assert _flags.read_all() == after
 
 
+@needs_new_api
 @pytest.mark.parametrize(
     ("writes", "expected"),
     [
@@ -87,14 +99,15 @@ def _slot_object(key: tuple[str, str]) -> object:
     return obj
 
 
-writes = st.lists(
-    st.one_of(
-        st.tuples(st.just("legacy"), st.sampled_from(["highest", "high", "medium"])),
-        st.tuples(st.just("cudnn"), st.booleans()),
-        st.tuples(st.sampled_from([(b, o) for b, o, _ in _flags.SLOTS]), st.sampled_from(["none", "ieee", "tf32"])),
-    ),
-    max_size=8,
-)
+write_kinds = [
+    st.tuples(st.just("legacy"), st.sampled_from(["highest", "high", "medium"])),
+    st.tuples(st.just("cudnn"), st.booleans()),
+]
+if _flags.HAS_NEW_API:  # before torch 2.9 the legacy writes are all there is
+    write_kinds.append(
+        st.tuples(st.sampled_from([(b, o) for b, o, _ in _flags.SLOTS]), st.sampled_from(["none", "ieee", "tf32"]))
+    )
+writes = st.lists(st.one_of(*write_kinds), max_size=8)
 
 
 @settings(max_examples=300, deadline=None)

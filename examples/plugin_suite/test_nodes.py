@@ -41,6 +41,10 @@ def test_engine_default(fp32_flags: object) -> None:
 def test_torch_flags_directly(fp32_flags: object) -> None:
     # Writing torch's own flags, in either API, is fine under the fixture too.
     del fp32_flags
-    torch.backends.cuda.matmul.fp32_precision = "ieee"
     torch.backends.cudnn.allow_tf32 = False
-    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # the per-backend API: torch >= 2.9
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    else:
+        torch.set_float32_matmul_precision("medium")
+        assert torch.get_float32_matmul_precision() == "medium"
