@@ -95,9 +95,14 @@ def docs(session: nox.Session, torch: str) -> None:
 @nox.session
 @nox.parametrize("torch", TORCH_VERSIONS)
 def bench(session: nox.Session, torch: str) -> None:
-    """Measure the per-call cost of scopes, wrappers and torch's own helpers (medians, ratios)."""
+    """Measure per-call costs (scopes, wrappers, torch's helpers) and per-step training costs (medians, ratios).
+
+    Arguments after ``--`` go to both scripts (``--repeats N``).
+    """
     install(session, torch)
+    session.install("numpy")  # as most users have it; else torch's import warns "Failed to initialize NumPy"
     session.run("python", "benchmarks/bench_scope.py", *session.posargs)
+    session.run("python", "benchmarks/bench_training.py", *session.posargs)
 
 
 @nox.session

@@ -261,9 +261,10 @@ def _cut_arguments(
     if all(isinstance(a, _ATOMS) for a in args) and all(isinstance(v, _ATOMS) for v in kwargs.values()):
         # The usual call (tensors and plain values): no pytree round trip.
         cut_args = tuple(_cut(a, aliases, leaf_map) for a in args)
+        cut_kwargs = {k: _cut(v, aliases, leaf_map) for k, v in kwargs.items()} if kwargs else kwargs
         if not aliases:
             return args, kwargs
-        return cut_args, {k: _cut(v, aliases, leaf_map) for k, v in kwargs.items()} if kwargs else kwargs
+        return cut_args, cut_kwargs
     flat, spec = _pytree.tree_flatten((args, kwargs))
     cut = [_cut(a, aliases, leaf_map) for a in flat]
     if not aliases:
@@ -342,12 +343,22 @@ def call_recorded(  # noqa: C901, PLR0912, PLR0913  (one pass over the outputs, 
     if _functorch_level() is not None:
         return _call_in_transform(scope, fn, args, kwargs)
     leaf_map = {} if leaf_map is None else dict(leaf_map)
-    args, kwargs = _cut_arguments(args, kwargs, leaf_map)
+    if args or kwargs:
+        args, kwargs = _cut_arguments(args, kwargs, leaf_map)
     if start is None:
         start = _sequence_nr()
     result = _call_in_scope(scope, fn, args, kwargs, cut=bool(leaf_map))
+    # The common results first: a tensor, or nothing that can hold one.
     single = isinstance(result, _Tensor)
-    flat, out_spec = ([result], None) if single else _pytree.tree_flatten(result)
+    if single:
+        if not result.requires_grad:
+            return result
+        flat: list[Any] = [result]
+        out_spec = None
+    elif result is None or isinstance(result, _ATOMS):
+        return result
+    else:
+        flat, out_spec = _pytree.tree_flatten(result)
     positions: list[int] = []
     inner_outputs: list[torch.Tensor] = []
     roots: list[Any] = []

@@ -185,11 +185,12 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
     :class:`~fp32scope.Fp32ScopeError` on one thread while another thread is inside a scope
     (the flags are process-wide). Warns :class:`~fp32scope.Fp32FlagsChangedWarning` on exit
     when the block changed the flags the scope applied. Where the flags already hold the
-    precision (torch's legacy getters say so without raising), nothing is saved or
+    precision (the legacy getters show it without raising, and every backend slot the field
+    governs resolves to what torch's legacy setter writes for it: cuBLAS and oneDNN for the
+    matmul precision, cuDNN conv and rnn for ``cudnn_allow_tf32``), nothing is saved or
     written, and on exit only a block that broke the precision is undone (by applying it
-    again). None, or a precision with both
-    fields None, makes a scope that touches nothing. The same object may be re-entered and
-    nested; exits restore last-in, first-out.
+    again). None, or a precision with both fields None, makes a scope that touches nothing.
+    The same object may be re-entered and nested; exits restore last-in, first-out.
 
     >>> import torch
     >>> torch.set_float32_matmul_precision("high")

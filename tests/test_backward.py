@@ -216,18 +216,23 @@ def test_gradients_equal_the_unwrapped_node_for_inputs_and_parameters(how: str) 
         torch.testing.assert_close(got, expected)
 
 
-def test_a_parameter_reached_inside_and_through_the_input_gets_its_gradient_once() -> None:
+@pytest.mark.parametrize("passed", ["positionally", "by keyword"])
+def test_a_parameter_reached_inside_and_through_the_input_gets_its_gradient_once(passed: str) -> None:
     # Tied weights (an LM head reusing the embedding): the weight is used inside the node and
     # also made the node's input. Its gradient must be the sum of both paths, each once.
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(8, 8))
     tokens = torch.randn(4, 8)
 
-    def head(h: torch.Tensor) -> torch.Tensor:
-        return probe(h @ weight.t(), "node-out")
+    def head(h: torch.Tensor | None = None, *, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        x = h if h is not None else hidden
+        assert x is not None
+        return probe(x @ weight.t(), "node-out")
 
-    def loss_of(node: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        return node(torch.tanh(tokens @ weight)).pow(2).sum()
+    def loss_of(node: Callable[..., torch.Tensor]) -> torch.Tensor:
+        hidden = torch.tanh(tokens @ weight)
+        out = node(hidden) if passed == "positionally" else node(hidden=hidden)
+        return out.pow(2).sum()
 
     expected = torch.autograd.grad(loss_of(head), weight)[0]
     probes.SEEN.clear()
