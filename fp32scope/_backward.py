@@ -122,12 +122,13 @@ class _State:
 def recording_scope(scope: fp32_precision_scope) -> fp32_precision_scope:
     """A twin of a wrapper's ``scope`` for :func:`call_recorded`, whose frames sit in between.
 
-    Warnings still point at the wrapper's caller: ``call_recorded`` and the call inside
-    it are two more frames between the scope's exit and that caller.
+    Warnings still point at the wrapper's caller: ``call_recorded`` is one more frame
+    between the scope's exit and that caller (``_call_in_transform`` one more again, there
+    the warning points one frame short).
     """
     twin = wrapper_scope(scope.precision, scope._name or "")
     twin._name = scope._name
-    twin._stacklevel = scope._stacklevel + 2
+    twin._stacklevel = scope._stacklevel + 1
     return twin
 
 
@@ -273,25 +274,14 @@ def _cut_arguments(
     return new_args, new_kwargs
 
 
-def _call_in_scope(
-    scope: fp32_precision_scope, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, cut: bool
-) -> Any:
-    try:
-        with scope:
-            return fn(*args, **kwargs)
-    except RuntimeError as e:
-        if cut and _IN_PLACE_ON_LEAF in str(e):
-            raise Fp32ScopeError(_IN_PLACE_MSG.format(name=scope._name)) from e
-        raise
-
-
 def _call_in_transform(
     scope: fp32_precision_scope, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     # Inside torch.func.grad / vmap / jacrev: a custom autograd.Function would need a
     # functorch rule of its own; the transform differentiates the call as it is.
     _warn_not_scoped(scope._name, "", transform=True)
-    return _call_in_scope(scope, fn, args, kwargs, cut=False)
+    with scope:
+        return fn(*args, **kwargs)
 
 
 def _subgraph_leaves(roots: list[Any], start: int) -> dict[int, torch.Tensor] | str:
@@ -323,7 +313,7 @@ def _subgraph_leaves(roots: list[Any], start: int) -> dict[int, torch.Tensor] | 
     return leaves
 
 
-def call_recorded(  # noqa: C901, PLR0912, PLR0913  (one pass over the outputs, on every training call)
+def call_recorded(  # noqa: C901, PLR0912, PLR0913, PLR0915  (one flat pass: runs on every call in grad mode)
     scope: fp32_precision_scope,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -347,7 +337,13 @@ def call_recorded(  # noqa: C901, PLR0912, PLR0913  (one pass over the outputs, 
         args, kwargs = _cut_arguments(args, kwargs, leaf_map)
     if start is None:
         start = _sequence_nr()
-    result = _call_in_scope(scope, fn, args, kwargs, cut=bool(leaf_map))
+    try:  # (not a helper function: this runs on every call in grad mode)
+        with scope:
+            result = fn(*args, **kwargs)
+    except RuntimeError as e:
+        if leaf_map and _IN_PLACE_ON_LEAF in str(e):
+            raise Fp32ScopeError(_IN_PLACE_MSG.format(name=scope._name)) from e
+        raise
     # The common results first: a tensor, or nothing that can hold one.
     single = isinstance(result, _Tensor)
     if single:
