@@ -104,7 +104,7 @@ def _scoped_function(
     record_scope = recording_scope(scope)
 
     def scoped(*args: Any, **kwargs: Any) -> Any:
-        if backward and grad_enabled():
+        if grad_enabled() and backward:
             return call_recorded(record_scope, target, args, kwargs)
         with scope:
             return target(*args, **kwargs)

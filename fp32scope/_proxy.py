@@ -121,7 +121,7 @@ class Fp32ScopedModule(_ProxyBase):
     # the module (wrapt's CallableObjectProxy gets the same by unpacking *args, which costs
     # a list on every call).
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        if self._self_backward and grad_enabled():
+        if grad_enabled() and self._self_backward:  # no_grad / inference_mode: one C call
             return call_recorded(self._self_record_scope, self.__wrapped__, args, kwargs)
         with self._self_scope:
             return self.__wrapped__(*args, **kwargs)
@@ -219,7 +219,7 @@ def _scoped_forward(
     record_scope: fp32_precision_scope,
 ) -> Callable[..., Any]:
     def scoped_forward(*args: Any, **kwargs: Any) -> Any:
-        if backward and grad_enabled():
+        if grad_enabled() and backward:
             return call_recorded(record_scope, forward, args, kwargs)
         with scope:
             return forward(*args, **kwargs)
