@@ -13,6 +13,7 @@ Run: ``python examples/ddp_training.py``.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from typing import cast
 
@@ -86,9 +87,17 @@ def worker(rank: int, init_file: str) -> None:
             f"rank {rank}: replicas identical after {STEPS} steps: {identical}",
             f"rank {rank}: flags after training: {current_fp32_precision()}",
         ]
-        print("\n".join(lines), flush=True)
+        everyone: list[list[str] | None] = [None] * WORLD
+        dist.all_gather_object(everyone, lines)  # rank 0 prints all: no interleaved output
+        if rank == 0:
+            print("\n".join(line for rank_lines in everyone for line in rank_lines or []), flush=True)
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown: torch's gloo backend (2.13, on this CPU
+    # machine kind) sometimes aborts in it ("terminate called without an active
+    # exception"), with plain DDP as well, after all the work is done.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main() -> None:
