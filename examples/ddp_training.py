@@ -87,10 +87,10 @@ def worker(rank: int, init_file: str) -> None:
             f"rank {rank}: replicas identical after {STEPS} steps: {identical}",
             f"rank {rank}: flags after training: {current_fp32_precision()}",
         ]
-        everyone: list[list[str] | None] = [None] * WORLD
-        dist.all_gather_object(everyone, lines)  # rank 0 prints all: no interleaved output
-        if rank == 0:
-            print("\n".join(line for rank_lines in everyone for line in rank_lines or []), flush=True)
+        for turn in range(WORLD):  # one rank after the other: no interleaved lines
+            if turn == rank:
+                print("\n".join(lines), flush=True)
+            dist.barrier()
     finally:
         dist.destroy_process_group()
     # Leave without the interpreter's teardown: torch's gloo backend (2.13, on this CPU
