@@ -21,8 +21,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -40,6 +39,7 @@ from fp32scope import (
     with_fp32_precision,
 )
 from fp32scope._dynamo_exclude import dynamo_resets_medium
+from tests.test_compile import forbid_recompiles, fresh_dynamo  # noqa: F401  (fresh_dynamo: an autouse fixture, used by being here)
 
 pytestmark = pytest.mark.compile
 
@@ -47,26 +47,6 @@ FULL = Fp32Precision("highest", False)
 # (major, minor) of the torch under test: "2.4.1+cu121" -> (2, 4).
 TORCH = tuple(int(part) for part in str(torch.__version__).split("+")[0].split(".")[:2])
 COMPILING_MESSAGE = "cannot change torch's float32 precision flags inside a region that torch.compile is tracing"
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
-@contextmanager
-def forbid_recompiles() -> Iterator[None]:
-    """Make any recompile an error (torch >= 2.6 spells error_on_recompile as a limit)."""
-    config = torch._dynamo.config
-    if "error_on_recompile" in config._config:  # type: ignore[attr-defined]
-        with config.patch(error_on_recompile=True):
-            yield
-    else:
-        with config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
-            yield
 
 
 # -- a probe that reads the flags when it runs, also inside compiled graphs --------------
