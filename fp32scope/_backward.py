@@ -95,7 +95,18 @@ _BACKWARD_TWICE = (
 class _State:
     """What one recorded call leaves for its backward."""
 
-    __slots__ = ("inner_inputs", "inner_outputs", "leaf_map", "name", "precision", "sentinel", "shared", "start")
+    __slots__ = (
+        "extended",
+        "inner_inputs",
+        "inner_outputs",
+        "leaf_map",
+        "leaf_nodes",
+        "name",
+        "precision",
+        "sentinel",
+        "shared",
+        "start",
+    )
 
     def __init__(self, scope: fp32_precision_scope, start: int, leaf_map: dict[int, torch.Tensor]) -> None:
         self.precision = scope.precision
@@ -106,6 +117,13 @@ class _State:
         # None and empty once the engine has freed the graph (no retain_graph).
         self.inner_outputs: list[torch.Tensor] | None = None
         self.inner_inputs: list[torch.Tensor] = []
+        # Parallel to inner_inputs: the AccumulateGrad node of each leaf that is the
+        # caller's own tensor (a parameter, a leaf argument), None for an argument's alias.
+        self.leaf_nodes: list[Any] = []
+        # Whether the subgraph takes in the history of a non-leaf tensor from before the
+        # call (reached other than through the arguments): that history may be the caller's
+        # graph's too, so the nested engine must not free it.
+        self.extended = False
         # A weak reference to a tensor only the gate node holds (saved for backward): alive
         # while the engine keeps the gate's saved tensors. None under a saved-tensor hook,
         # which takes the tensor away.
@@ -138,7 +156,131 @@ def _release(state: _State) -> None:
     # outputs die.
     state.inner_outputs = None
     state.inner_inputs = []
+    state.leaf_nodes = []
     state.leaf_map = {}
+
+
+# -- the leaves of a call's subgraph during its backward ----------------------------------
+#
+# The boundary's edges lead to the leaves of the call's subgraph: the aliases' originals
+# (the caller's tensors the arguments were) and the caller's own leaves (parameters, leaf
+# arguments). A leaf's AccumulateGrad node is one object, in the call's subgraph and in the
+# caller's graph alike. Hooks inside the subgraph may read a parameter's .grad right after
+# its AccumulateGrad would have run in plain torch (FSDP's post-backward does, and then
+# reduce-scatters it), so for each leaf the caller's backward will accumulate into, the
+# gradient is accumulated the moment the nested engine reaches it, through the leaf's own
+# AccumulateGrad node, and the boundary hands None back for it: the caller's engine still
+# runs that node (its node hooks, such as DDP's and FSDP1's, fire there once, with .grad
+# set), but accumulates nothing more. Each kind of hook then fires once:
+#
+# * tensor hooks (leaf.register_hook): in the nested engine, on the real gradient, before
+#   it is accumulated; the caller's engine then calls them with None, which _SkipNone
+#   passes over;
+# * post-accumulate-grad hooks: muted while the nested engine accumulates, they fire when
+#   the caller's engine runs the node (as in plain torch, after .grad is final);
+# * AccumulateGrad node hooks: only the caller's engine runs them.
+#
+# A leaf the caller captures instead (torch.autograd.grad with it among the inputs:
+# _will_engine_execute_node raises) has its gradient handed back as before, its tensor
+# hooks muted in the nested engine (the caller's capture runs them); a leaf the caller's
+# backward does not need is left out.
+
+_will_execute = torch._C._will_engine_execute_node
+
+
+class _SkipNone:
+    """A tensor hook of the caller's that the boundary's None does not reach (see above)."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: Callable[[torch.Tensor], Any]) -> None:
+        self.hook = hook
+
+    def __call__(self, grad: torch.Tensor | None) -> Any:
+        return None if grad is None else self.hook(grad)
+
+
+def _accumulate_now(node: Any, leaf: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    def accumulate(grad: torch.Tensor) -> None:
+        post = getattr(leaf, "_post_accumulate_grad_hooks", None)
+        if not post:
+            node(grad)
+            return
+        saved = list(post.items())
+        post.clear()
+        try:
+            node(grad)
+        finally:
+            post.update(saved)
+
+    return accumulate
+
+
+def _mute_tensor_hooks(inputs: list[torch.Tensor], nodes: list[Any]) -> list[tuple[Any, list[Any]]]:
+    muted: list[tuple[Any, list[Any]]] = []
+    for leaf, node in zip(inputs, nodes, strict=True):
+        hooks = leaf._backward_hooks if node is not None else None
+        if hooks:
+            muted.append((hooks, list(hooks.items())))
+            hooks.clear()
+    return muted
+
+
+def _unmute(muted: list[tuple[Any, list[Any]]]) -> None:
+    for hooks, items in muted:
+        hooks.update(items)
+
+
+def _leaf_role(leaf: torch.Tensor, node: Any, handles: list[Any], muted: list[tuple[Any, list[Any]]]) -> int:
+    """How the nested engine treats one of the caller's leaves: 1 capture, -1 accumulate now, 0 leave out."""
+    try:
+        will_run = _will_execute(node)
+    except RuntimeError:  # the caller captures this leaf's gradient (autograd.grad)
+        hooks = leaf._backward_hooks
+        if hooks:
+            muted.append((hooks, list(hooks.items())))
+            hooks.clear()
+        return 1
+    if not will_run:
+        return 0
+    hooks = leaf._backward_hooks
+    if hooks:
+        for key, hook in list(hooks.items()):
+            if not isinstance(hook, _SkipNone):
+                hooks[key] = _SkipNone(hook)
+    handles.append(leaf.register_hook(_accumulate_now(node, leaf)))  # type: ignore[no-untyped-call]
+    return -1
+
+
+def _scoped_backward(
+    state: _State, outs: tuple[torch.Tensor, ...], gs: tuple[torch.Tensor, ...], keep: bool
+) -> list[torch.Tensor | None]:
+    """Run the call's subgraph from ``outs`` in its scope; the gradients for the boundary's edges."""
+    inputs = state.inner_inputs
+    result: list[torch.Tensor | None] = [None] * len(inputs)
+    engine_inputs: list[torch.Tensor] = []
+    returned: list[int] = []  # for each engine input, its boundary position, or -1: accumulated now
+    handles: list[Any] = []
+    muted: list[tuple[Any, list[Any]]] = []
+    try:
+        for i, (leaf, node) in enumerate(zip(inputs, state.leaf_nodes, strict=True)):
+            # An argument's alias (node None): its gradient continues in the caller's graph.
+            role = 1 if node is None else _leaf_role(leaf, node, handles, muted)
+            if role:
+                engine_inputs.append(leaf)
+                returned.append(i if role == 1 else -1)
+        if not engine_inputs:
+            return result
+        with state.scope():
+            computed = _grad(outs, tuple(engine_inputs), gs, keep)
+    finally:
+        for handle in handles:
+            handle.remove()
+        _unmute(muted)
+    for position, grad in zip(returned, computed, strict=True):
+        if position >= 0:
+            result[position] = grad
+    return result
 
 
 class Fp32ScopedCall(torch.autograd.Function):
@@ -170,7 +312,15 @@ class Fp32ScopedCall(torch.autograd.Function):
             inputs = state.inner_inputs
 
             def grad_create_graph(*gs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-                return torch.autograd.grad(outs, inputs, gs, retain_graph=True, create_graph=True, allow_unused=True)
+                # Every gradient goes back to the caller's graph, whose AccumulateGrad runs
+                # the leaves' tensor hooks: muted here, so that they run once.
+                muted = _mute_tensor_hooks(inputs, state.leaf_nodes)
+                try:
+                    return torch.autograd.grad(
+                        outs, inputs, gs, retain_graph=True, create_graph=True, allow_unused=True
+                    )
+                finally:
+                    _unmute(muted)
 
             # The call's own forward nodes count as its subgraph (they carry the double
             # backward), and its aliases lead back to the caller's tensors.
@@ -183,8 +333,8 @@ class Fp32ScopedCall(torch.autograd.Function):
         # already unless the graph is retained (or a saved-tensor hook took it: then keep).
         ref = state.sentinel
         keep = state.shared or ref is None or ref() is not None
-        with state.scope():
-            computed = _grad(outs, tuple(state.inner_inputs), gs, keep)
+        # An extended subgraph runs nodes that may be the caller's too: never free them here.
+        computed = _scoped_backward(state, outs, gs, keep or state.extended)
         if not keep:
             _release(state)
         return (None, *computed)
@@ -213,29 +363,37 @@ class Fp32ScopedCallGate(torch.autograd.Function):
 _warned: set[int] = set()
 
 
-def _warn_not_scoped(name: str | None, what: str, *, transform: bool = False) -> None:
-    key = hash((name, what, transform))
+def _warn_once(name: str | None, kind: str, msg: str) -> None:
+    key = hash((name, kind))
     if key in _warned:
         return
     _warned.add(key)
+    warnings.warn(msg, Fp32BackwardNotScopedWarning, stacklevel=4)
+
+
+def _warn_not_scoped(name: str | None) -> None:
     where = f" {name!r}" if name is not None else ""
-    if transform:
-        why = (
-            "it is called inside a torch.func transform (grad, vmap, jacrev, ...), which differentiates "
-            "the call itself. Call the transform inside the node, or wrap the node with backward=False "
-            "to keep it forward-only and silence this warning."
-        )
-    else:
-        why = (
-            f"the call reaches {what}, which is neither one of its arguments nor a leaf, so its subgraph "
-            "cannot be cut off from the caller's graph. Pass that tensor as an argument, or wrap the node "
-            "with backward=False to keep it forward-only and silence this warning."
-        )
     msg = (
         f"The backward of scoped node{where} runs under the precision current when autograd reaches it, not "
-        f"the node's (its gradients are exact; only their precision is not the node's): {why}"
+        "the node's (its gradients are exact; only their precision is not the node's): it is called inside a "
+        "torch.func transform (grad, vmap, jacrev, ...), which differentiates the call itself. Call the "
+        "transform inside the node, or wrap the node with backward=False to keep it forward-only and silence "
+        "this warning."
     )
-    warnings.warn(msg, Fp32BackwardNotScopedWarning, stacklevel=4)
+    _warn_once(name, "transform", msg)
+
+
+def _warn_extended(name: str | None, what: str) -> None:
+    where = f" {name!r}" if name is not None else ""
+    msg = (
+        f"Scoped node{where} reaches {what}, which is neither one of its arguments nor a leaf (a closure over "
+        "an activation, an attribute holding one, FSDP1's flat-parameter views). Its gradients are exact, but "
+        "the backward of that tensor's history, down to the leaves, runs inside the node's backward, in the "
+        "node's precision, and where that tensor is also used outside the node, the hooks on its history run "
+        "once for each use. Pass the tensor as an argument (or wrap the unit that makes it rather than its "
+        "forward), or wrap the node with backward=False to keep it forward-only and silence this warning."
+    )
+    _warn_once(name, "extended", msg)
 
 
 def _cut(value: Any, aliases: dict[int, torch.Tensor], leaf_map: dict[int, torch.Tensor]) -> Any:
@@ -279,21 +437,24 @@ def _call_in_transform(
 ) -> Any:
     # Inside torch.func.grad / vmap / jacrev: a custom autograd.Function would need a
     # functorch rule of its own; the transform differentiates the call as it is.
-    _warn_not_scoped(scope._name, "", transform=True)
+    _warn_not_scoped(scope._name)
     with scope:
         return fn(*args, **kwargs)
 
 
-def _subgraph_leaves(roots: list[Any], start: int) -> dict[int, torch.Tensor] | str:
-    """The leaves where the call's subgraph ends, or what makes it impossible to cut off.
+def _subgraph_leaves(roots: list[Any], start: int) -> tuple[dict[int, tuple[torch.Tensor, Any]], str | None]:
+    """The leaves where the call's subgraph ends, each with its AccumulateGrad node.
 
-    The subgraph is every node reachable from ``roots`` that the call created (sequence
-    number ``start`` or later). After the cut of its arguments its edge is leaves only
-    (AccumulateGrad nodes); a non-leaf node from before the call is named instead.
+    The subgraph is every node reachable from ``roots`` down to leaves. After the cut of
+    its arguments the call's own nodes (sequence number ``start`` or later) lead to leaves
+    only; where one leads to a non-leaf node from before the call instead (a tensor the call
+    reached other than through its arguments), the subgraph takes in that tensor's history
+    too, down to its leaves, and the second value names that tensor (else None).
     """
     seen: set[Any] = set()
     stack = list(roots)
-    leaves: dict[int, torch.Tensor] = {}
+    leaves: dict[int, tuple[torch.Tensor, Any]] = {}
+    outside: str | None = None
     while stack:
         node = stack.pop()
         if node in seen:
@@ -305,12 +466,13 @@ def _subgraph_leaves(roots: list[Any], start: int) -> dict[int, torch.Tensor] | 
             seq = nxt._sequence_nr()
             if seq == _LEAF_SEQ:
                 variable = nxt.variable
-                leaves.setdefault(id(variable), variable)
-            elif seq >= start:
-                stack.append(nxt)
-            else:
-                return f"a non-leaf tensor made by {type(nxt).__name__}"
-    return leaves
+                if id(variable) not in leaves:
+                    leaves[id(variable)] = (variable, nxt)
+                continue
+            if seq < start and outside is None:
+                outside = f"a non-leaf tensor made by {type(nxt).__name__}"
+            stack.append(nxt)
+    return leaves, outside
 
 
 def call_recorded(  # noqa: C901, PLR0912, PLR0913, PLR0915  (one flat pass: runs on every call in grad mode)
@@ -372,17 +534,31 @@ def call_recorded(  # noqa: C901, PLR0912, PLR0913, PLR0915  (one flat pass: run
             positions.append(i)
             inner_outputs.append(value)
             roots.append(node)
-    leaves = _subgraph_leaves(roots, start) if roots else None
-    if isinstance(leaves, str):
-        _warn_not_scoped(scope._name, leaves)
-    elif leaves is not None:
+    if roots:
+        leaves, outside = _subgraph_leaves(roots, start)
+        if outside is not None:
+            _warn_extended(scope._name, outside)
         # Only the aliases the subgraph reaches: inner_inputs keeps them alive, so no id in
         # the map can be reused by another tensor.
-        state = _State(scope, start, {k: leaf_map[k] for k in leaves if k in leaf_map})
+        state = _State(scope, start, {})
         state.shared = shared
+        state.extended = outside is not None
         state.inner_outputs = inner_outputs
-        state.inner_inputs = list(leaves.values())
-        boundary = Fp32ScopedCall.apply(state, *(leaf_map.get(k, t) for k, t in leaves.items()))  # type: ignore[no-untyped-call]
+        inner_inputs = state.inner_inputs
+        leaf_nodes = state.leaf_nodes
+        state_map = state.leaf_map
+        outer_inputs: list[torch.Tensor] = []
+        for key, (leaf, node) in leaves.items():
+            inner_inputs.append(leaf)
+            original = leaf_map.get(key)
+            if original is None:
+                leaf_nodes.append(node)
+                outer_inputs.append(leaf)
+            else:
+                leaf_nodes.append(None)
+                state_map[key] = original
+                outer_inputs.append(original)
+        boundary = Fp32ScopedCall.apply(state, *outer_inputs)  # type: ignore[no-untyped-call]
         sentinel = _empty(0)
         wrapped = Fp32ScopedCallGate.apply(sentinel, *boundary)  # type: ignore[no-untyped-call]
         if sentinel._use_count() > 1:  # type: ignore[attr-defined]  # held by the gate, not by a hook

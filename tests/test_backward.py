@@ -161,23 +161,76 @@ def test_decorated_function_and_its_closure_over_a_parameter() -> None:
     torch.testing.assert_close(weight.grad, expected)
 
 
-def test_a_closure_over_an_activation_warns_and_keeps_gradients_exact() -> None:
+@pytest.mark.parametrize("retain", [False, True])
+def test_a_closure_over_an_activation_keeps_every_gradient_and_runs_its_backward_scoped(retain: bool) -> None:
+    # The call reaches a non-leaf it does not take as an argument: its subgraph takes in that
+    # tensor's history. Every gradient (the argument's included: it entered as an alias) must
+    # be the unwrapped node's, and the node's backward must still run in its precision.
+    torch.manual_seed(0)
     source = torch.randn(4, 8, requires_grad=True)
     activation = source * 3  # a non-leaf the function reaches without taking it as an argument
 
-    @with_fp32_precision(FULL, name="closes-over")
+    @with_fp32_precision(FULL, name=f"closes-over-{retain}")  # warned once per node
     def head(x: torch.Tensor) -> torch.Tensor:
         return probe(x + activation, "node-out")
 
     x = torch.randn(4, 8, requires_grad=True)
-    with pytest.warns(Fp32BackwardNotScopedWarning, match="'closes-over'.*backward=False"):
+    with pytest.warns(Fp32BackwardNotScopedWarning, match="'closes-over-.*exact.*backward=False"):
         loss = step(head, x)
-    backward(loss, retain_graph=True)  # the reference below goes through `activation` again
-    assert probes.phases("bwd")["node-out"] == [DEFAULT]  # not scoped, and said so
-    grad_source = source.grad
-    source.grad = None
-    backward(step(lambda t: t + activation, x))
-    torch.testing.assert_close(grad_source, source.grad)
+    backward(loss, retain_graph=retain)
+    assert probes.phases("bwd")["node-out"] == [FULL]
+    got = (x.grad, source.grad)
+    assert got[0] is not None
+    assert got[1] is not None
+    x.grad = source.grad = None
+    backward(step(lambda t: t + source * 3, x))
+    torch.testing.assert_close(got[0], x.grad)
+    torch.testing.assert_close(got[1], source.grad)
+
+
+def test_the_issues_lost_gradient_case_keeps_the_arguments_gradient() -> None:
+    # A closure over a non-leaf matrix; the argument is a non-leaf too (x * 2).
+    torch.manual_seed(0)
+    w_base = torch.randn(8, 8, requires_grad=True)
+    box = {"w": w_base * 1.0}
+
+    @with_fp32_precision(FULL, name="lost")
+    def scoped(h: torch.Tensor) -> torch.Tensor:
+        return h @ box["w"]
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.warns(Fp32BackwardNotScopedWarning):
+        backward(scoped(x * 2.0).sum())
+    got = (x.grad, w_base.grad)
+    assert got[0] is not None
+    assert got[1] is not None
+    x.grad = w_base.grad = None
+    backward(((x * 2.0) @ (w_base * 1.0)).sum())
+    torch.testing.assert_close(got[0], x.grad)
+    torch.testing.assert_close(got[1], w_base.grad)
+
+
+def test_a_non_leaf_reached_inside_and_used_outside_too_gets_both_parts_once() -> None:
+    # The closed-over tensor is also used after the node: its history runs in the nested
+    # backward and in the caller's; the gradients still add up exactly once.
+    torch.manual_seed(0)
+    base = torch.randn(8, 8, requires_grad=True)
+    shared = base.tanh()
+
+    @with_fp32_precision(FULL, name="shared")
+    def node(h: torch.Tensor) -> torch.Tensor:
+        return h @ shared
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.warns(Fp32BackwardNotScopedWarning):
+        out = node(x * 2.0)
+    backward(out.sum() + shared.sum())
+    got = (x.grad, base.grad)
+    x.grad = base.grad = None
+    shared = base.tanh()
+    backward(((x * 2.0) @ shared).sum() + shared.sum())
+    torch.testing.assert_close(got[0], x.grad)
+    torch.testing.assert_close(got[1], base.grad)
 
 
 def test_inside_a_torch_func_transform_the_node_is_differentiated_as_it_is_with_a_warning() -> None:
