@@ -1,0 +1,116 @@
+"""Sharded training with a scoped block trains exactly like the unscoped model (issue 11).
+
+``tests/sharded.py`` trains every configuration in two processes over gloo (one run for
+all, shared by the tests here) and compares the full parameters after each step with an
+unsharded single-process reference, so that a gradient lost, counted twice or arriving a
+step late shows. Each test also checks where the probes ran: the block's forward and
+backward in its precision ("highest", cuDNN TF32 off), the rest in the default ("high"),
+and the flags back to the default after training. A control configuration (the same
+wrapper without fp32scope) shows whether the wrapper trains exactly on this torch at all;
+where it does not, the scoped configurations of that wrapper skip with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import sharded
+from tests.releases import TORCH_RELEASE
+
+ROOT = Path(__file__).resolve().parent.parent
+TOLERANCE = 1e-6  # the reference sums the two ranks' batches in another order: float32 rounding only
+FULL = str(sharded.FULL)
+DEFAULT = str(sharded.DEFAULT)
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="gloo over a file store: Linux and macOS")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("sharded") / "results.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(  # noqa: S603
+        [sys.executable, "-m", "tests.sharded", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.exists(), f"the sharded run wrote nothing (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    found: dict[str, Any] = json.loads(out.read_text())
+    return found
+
+
+def _control_trains(results: dict[str, Any], control: str) -> str | None:
+    """None when the control trains exactly; else why not (the skip reason)."""
+    got = results[control]
+    wrapper = control.split("-", maxsplit=1)[0].upper()
+    if "error" in got:
+        last = got["error"].strip().splitlines()[-1]
+        return f"torch {TORCH_RELEASE}: {wrapper} does not run here without fp32scope: {last}"
+    worst = max(got["diffs"])
+    if worst > TOLERANCE:
+        return (
+            f"torch {TORCH_RELEASE}: {wrapper} does not train exactly on the CPU even without "
+            f"fp32scope (largest difference {worst:.2g} from the unsharded reference), so it cannot show a difference"
+        )
+    return None
+
+
+def _check(results: dict[str, Any], name: str, control: str) -> None:
+    why_not = _control_trains(results, control)
+    if why_not is not None:
+        pytest.skip(why_not)
+    got = results[name]
+    assert "error" not in got, got.get("error")
+    assert max(got["diffs"]) <= TOLERANCE, f"{name}: differences from the reference per step {got['diffs']}"
+    seen = got["seen"]
+    for tag in ("block-in", "block-out"):
+        assert seen[f"fwd {tag}"] == [FULL], (tag, seen)
+        assert seen[f"bwd {tag}"] == [FULL], (tag, seen)
+    for tag in ("pre", "post"):
+        assert seen[f"fwd {tag}"] == [DEFAULT], (tag, seen)
+        assert seen[f"bwd {tag}"] == [DEFAULT], (tag, seen)
+    assert got["flags_restored"]
+
+
+FSDP2 = [n for n in sharded.CONFIGS if n.startswith("fsdp2-") and n != "fsdp2-control"]
+FSDP1 = [n for n in sharded.CONFIGS if n.startswith("fsdp1-") and n != "fsdp1-control"]
+DDP = [n for n in sharded.CONFIGS if n.startswith("ddp-") and n != "ddp-control"]
+
+
+@pytest.mark.parametrize("name", FSDP2)
+def test_fsdp2(results: dict[str, Any], name: str) -> None:
+    if sharded.fully_shard_api() is None:
+        pytest.skip(f"torch {TORCH_RELEASE} has no FSDP2 (fully_shard)")
+    _check(results, name, "fsdp2-control")
+
+
+@pytest.mark.parametrize("name", FSDP1)
+def test_fsdp1(results: dict[str, Any], name: str) -> None:
+    _check(results, name, "fsdp1-control")
+
+
+@pytest.mark.parametrize("name", DDP)
+def test_ddp(results: dict[str, Any], name: str) -> None:
+    assert _control_trains(results, "ddp-control") is None  # DDP trains exactly on every tested torch
+    _check(results, name, "ddp-control")
+
+
+def test_the_controls_run_unscoped(results: dict[str, Any]) -> None:
+    # The harness itself: without fp32scope the block runs in the default, forward and backward.
+    for control in ("fsdp2-control", "fsdp1-control", "ddp-control"):
+        got = results[control]
+        if "error" in got:
+            continue
+        assert got["seen"]["fwd block-in"] == [DEFAULT]
+        assert got["seen"]["bwd block-in"] == [DEFAULT]
