@@ -16,6 +16,12 @@ if TYPE_CHECKING:
     from fp32scope._cuda_graphs import CapturedCudaGraph, capture_cuda_graph
     from fp32scope._decorator import with_fp32_precision
     from fp32scope._errors import Fp32BackwardNotScopedWarning, Fp32FlagsChangedWarning, Fp32ScopeError
+    from fp32scope._export import (
+        aoti_compile_and_package,
+        aoti_load_package,
+        load_exported_program,
+        save_exported_program,
+    )
     from fp32scope._node import node_fp32_precision
     from fp32scope._precision import Fp32Precision
     from fp32scope._process import current_fp32_precision, set_process_default
@@ -32,6 +38,10 @@ _HOMES = {
     "Fp32BackwardNotScopedWarning": "_errors",
     "Fp32FlagsChangedWarning": "_errors",
     "Fp32ScopeError": "_errors",
+    "aoti_compile_and_package": "_export",
+    "aoti_load_package": "_export",
+    "load_exported_program": "_export",
+    "save_exported_program": "_export",
     "node_fp32_precision": "_node",
     "Fp32Precision": "_precision",
     "current_fp32_precision": "_process",
@@ -65,11 +75,15 @@ __all__ = [
     "Fp32Precision",
     "Fp32ScopeError",
     "Fp32ScopedModule",
+    "aoti_compile_and_package",
+    "aoti_load_package",
     "capture_cuda_graph",
     "current_fp32_precision",
     "fp32_precision_scope",
+    "load_exported_program",
     "node_fp32_precision",
     "precision_of",
+    "save_exported_program",
     "set_process_default",
     "with_fp32_precision",
 ]

@@ -28,7 +28,11 @@ __all__ = ["dynamo_resets_medium", "ensure", "exclude", "mark_function"]
 
 _REASON = (
     "fp32scope: a scoped call changes torch's process-wide float32 precision flags, so it runs "
-    "outside the compiled graph (the callable it wraps is still compiled, inside the scope)"
+    "outside the compiled graph (under torch.compile the callable it wraps is still compiled, "
+    "inside the scope). torch.export cannot export it: one exported graph cannot carry a "
+    "precision change. Export the bare node (scoped.__wrapped__), then compile or save it with "
+    "its precision: fp32scope.aoti_compile_and_package(exported_program, precision) or "
+    "fp32scope.save_exported_program(exported_program, f, precision)"
 )
 _pending: list[tuple[Callable[..., Any], bool]] = []
 _done = [False]

@@ -50,6 +50,20 @@ _COMPILING_MSG: Final = (
     "Fp32ScopedModule(torch.compile(module), precision)."
 )
 
+# torch.export traces with is_compiling() True too (non-strict export; strict export meets
+# the wrappers' Dynamo mark first, whose reason is _dynamo_exclude._REASON): its own message.
+_EXPORTING_MSG: Final = (
+    "torch.export cannot export a scoped call (an Fp32ScopedModule, a with_fp32_precision "
+    "function or an fp32_precision_scope): one exported graph cannot carry a float32 precision "
+    "change, because torch reads the process-wide precision flags when it compiles the graph "
+    "and when its kernels run, not from the graph. Export the bare node instead "
+    "(scoped.__wrapped__), then compile or save it with its precision: "
+    "fp32scope.aoti_compile_and_package(exported_program, precision) or "
+    "fp32scope.save_exported_program(exported_program, f, precision). A model whose parts need "
+    "different precisions is exported node by node."
+)
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
 
 def _torch_older_than(major: int, minor: int) -> bool:
     # torch.__version__ is a TorchVersion (compares with tuples) on every supported torch;
@@ -100,7 +114,7 @@ def _refuse_traced() -> NoReturn:
     from torch._dynamo.comptime import comptime
 
     comptime(_graph_break_with_reason)
-    raise Fp32ScopeError(_COMPILING_MSG)
+    raise Fp32ScopeError(_EXPORTING_MSG if _is_exporting() else _COMPILING_MSG)
 
 
 _CHECKED: Final = MATMUL_PRECISIONS

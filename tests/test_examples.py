@@ -30,6 +30,7 @@ def run_example(name: str) -> str:
 def test_every_example_is_tested() -> None:
     tested = {"compiled_nodes.py", "cuda_graph_capture.py", "engine_threads.py", "multiprocess_workers.py"}
     tested |= {"pytest_plugin_suite.py", "ddp_training.py"}  # ddp_training.py: in test_backward.py
+    tested |= {"aoti_package.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -73,3 +74,22 @@ def test_pytest_plugin_suite() -> None:
     out = run_example("pytest_plugin_suite.py")
     assert "1. the suite, with --fp32scope-strict:\n   pytest exit status 0: 3 passed" in out
     assert "strict mode reports: torch.get_float32_matmul_precision(): 'highest' -> 'medium'" in out
+
+
+def _aoti_missing() -> str | None:
+    from fp32scope._export import _aoti_missing
+
+    return _aoti_missing()
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(_aoti_missing() is not None, reason=f"{_aoti_missing()}: the example compiles a package")
+def test_aoti_package() -> None:
+    out = run_example("aoti_package.py")
+    assert "exporting the scoped node: torch.export cannot export a scoped call" in out
+    assert "'fp32scope.matmul': 'highest'" in out
+    assert "loading process default: Fp32Precision(matmul='medium', cudnn_allow_tf32=True)" in out
+    assert "precision_of(loaded package): Fp32Precision(matmul='highest', cudnn_allow_tf32=False)" in out
+    for mode in ("grad", "no_grad", "inference_mode"):
+        assert f"call under {mode:<15} ran in Fp32Precision(matmul='highest', cudnn_allow_tf32=False)" in out
+    assert "after the calls the default is back: Fp32Precision(matmul='medium', cudnn_allow_tf32=True)" in out
