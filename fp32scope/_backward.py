@@ -176,8 +176,9 @@ def _release(state: _State) -> None:
 # * tensor hooks (leaf.register_hook): in the nested engine, on the real gradient, before
 #   it is accumulated; the caller's engine then calls them with None, which _SkipNone
 #   passes over;
-# * post-accumulate-grad hooks: muted while the nested engine accumulates, they fire when
-#   the caller's engine runs the node (as in plain torch, after .grad is final);
+# * post-accumulate-grad hooks: where the caller's engine fires them for a None gradient
+#   (torch 2.13), muted while the nested engine accumulates, so that they fire there, once,
+#   after .grad is final; elsewhere (torch 2.4) they fire as the nested engine accumulates;
 # * AccumulateGrad node hooks: only the caller's engine runs them.
 #
 # A leaf the caller captures instead (torch.autograd.grad with it among the inputs:
@@ -200,10 +201,41 @@ class _SkipNone:
         return None if grad is None else self.hook(grad)
 
 
+class _NoneToLeaf(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, leaf: torch.Tensor) -> torch.Tensor:
+        return leaf.detach() * 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> None:
+        return None
+
+
+_outer_fires_post_hooks: list[bool] = []
+
+
+def _outer_fires_post_accumulate_hooks() -> bool:
+    """Whether the engine runs a leaf's post-accumulate-grad hooks when its gradient is None.
+
+    torch 2.13 does (the caller's engine, running the leaf's AccumulateGrad after the
+    boundary handed it None, fires them with .grad as the nested engine left it); torch 2.4
+    does not. Found out once, by trying it, so that either way they fire exactly once.
+    """
+    if not _outer_fires_post_hooks:
+        leaf = torch.zeros(1, requires_grad=True)
+        fired: list[bool] = []
+        leaf.register_post_accumulate_grad_hook(lambda _: fired.append(True))  # type: ignore[no-untyped-call]
+        with torch.enable_grad():  # (called from inside a backward, where grad mode is off)
+            out = _NoneToLeaf.apply(leaf) + torch.zeros(1, requires_grad=True)  # type: ignore[no-untyped-call]
+            torch.autograd.backward(out.sum())
+        _outer_fires_post_hooks.append(bool(fired))
+    return _outer_fires_post_hooks[0]
+
+
 def _accumulate_now(node: Any, leaf: torch.Tensor) -> Callable[[torch.Tensor], None]:
     def accumulate(grad: torch.Tensor) -> None:
         post = getattr(leaf, "_post_accumulate_grad_hooks", None)
-        if not post:
+        if not post or not _outer_fires_post_accumulate_hooks():
             node(grad)
             return
         saved = list(post.items())
