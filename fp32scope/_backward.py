@@ -202,12 +202,14 @@ class _SkipNone:
 
 
 class _NoneToLeaf(torch.autograd.Function):
+    """Hands None back to its leaf, as the boundary does for a gradient accumulated already."""
+
     @staticmethod
-    def forward(ctx: Any, leaf: torch.Tensor) -> torch.Tensor:
+    def forward(_ctx: Any, leaf: torch.Tensor) -> torch.Tensor:
         return leaf.detach() * 1
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> None:
+    def backward(_ctx: Any, _grad: torch.Tensor) -> None:
         return None
 
 
