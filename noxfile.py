@@ -9,6 +9,12 @@ The torch matrix: one test session per tested release, ``tests-<release>`` (e.g.
 ``nox -s tests-2.4.1``), all tagged ``torch-matrix``: ``nox -t torch-matrix`` runs the whole
 matrix. Each venv takes 1-7 GB (the registry's releases are CUDA builds); ``.nox/`` can be
 removed afterwards.
+
+The Python matrix: one test session per supported Python, ``tests-py<version>`` (e.g.
+``nox -s tests-py3.10``), all on torch 2.13.0 and tagged ``python-matrix``. nox looks for
+``python3.10`` ... ``python3.13`` on the PATH (with pyenv: ``PYENV_VERSION=3.11.7:3.10.13:3.12.1:3.13.0``;
+``.ci/run`` finds them on its own). The registry's torch for Pythons other than the one the
+CPU build on disk was made for is a CUDA build, about 5 GB of venv.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ TORCH_VERSIONS = [os.environ.get("FP32SCOPE_TORCH", DEFAULT_TORCH)]
 #: pyproject.toml, the last release without the per-backend fp32_precision API (2.8), the
 #: first tested one with it, the default, and the newest this machine's pip may install.
 TORCH_RELEASES = ["2.4.1", "2.8.0", "2.10.0", "2.13.0", "2.14.1"]
+
+#: The Pythons the package supports and is tested on (the classifiers in pyproject.toml).
+PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 
 
 def install(session: nox.Session, torch: str, *extras: str) -> None:
@@ -61,6 +70,20 @@ def _matrix_session(release: str) -> Callable[[nox.Session], None]:
 
 for _release in TORCH_RELEASES:
     nox.session(name=f"tests-{_release}", tags=["torch-matrix"])(_matrix_session(_release))
+
+
+def _python_session(python: str) -> Callable[[nox.Session], None]:
+    def run_tests(session: nox.Session) -> None:
+        install(session, DEFAULT_TORCH, "test")
+        session.run("python", "-c", "import platform, torch; print(platform.python_version(), torch.__version__)")
+        session.run("pytest", *session.posargs)
+
+    run_tests.__doc__ = f"Run the test suite on Python {python}, torch {DEFAULT_TORCH} (part of nox -t python-matrix)."
+    return run_tests
+
+
+for _python in PYTHONS:
+    nox.session(name=f"tests-py{_python}", python=_python, tags=["python-matrix"])(_python_session(_python))
 
 
 @nox.session

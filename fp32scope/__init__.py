@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from fp32scope._process import current_fp32_precision, set_process_default
     from fp32scope._proxy import Fp32ScopedModule, precision_of
     from fp32scope._scope import fp32_precision_scope
+    from fp32scope._unchanged import assert_fp32_flags_unchanged
 
 # Public names load on first use (PEP 562): the pytest plugin lives in this package and is
 # loaded by every pytest run of an environment that has fp32scope, and it must not import
@@ -49,6 +50,7 @@ _HOMES = {
     "Fp32ScopedModule": "_proxy",
     "precision_of": "_proxy",
     "fp32_precision_scope": "_scope",
+    "assert_fp32_flags_unchanged": "_unchanged",
 }
 
 
@@ -77,6 +79,7 @@ __all__ = [
     "Fp32ScopedModule",
     "aoti_compile_and_package",
     "aoti_load_package",
+    "assert_fp32_flags_unchanged",
     "capture_cuda_graph",
     "current_fp32_precision",
     "fp32_precision_scope",

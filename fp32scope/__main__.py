@@ -1,8 +1,9 @@
-"""Command line: ``python -m fp32scope demo`` and ``python -m fp32scope doctor``."""
+"""Command line: ``python -m fp32scope demo``, ``python -m fp32scope doctor`` and ``--version``."""
 
 from __future__ import annotations
 
 import argparse
+import platform
 import warnings
 
 __all__ = ["main"]
@@ -18,26 +19,40 @@ def _import_torch_quietly() -> None:
         import torch  # noqa: F401
 
 
+def _version() -> str:
+    import torch
+
+    import fp32scope
+
+    return f"fp32scope {fp32scope.__version__} (torch {torch.__version__}, Python {platform.python_version()})"
+
+
 def _parser() -> argparse.ArgumentParser:
     from fp32scope import _demo, _doctor
 
     parser = argparse.ArgumentParser(
         prog="python -m fp32scope",
-        description="Scoped float32 matmul/cuDNN precision for PyTorch: demo and diagnostics.",
+        description=(
+            "fp32scope: scoped float32 matmul and cuDNN precision for PyTorch. "
+            "Run a small demo engine, or check this process's precision flags."
+        ),
     )
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,doctor}")
     demo = commands.add_parser(
         "demo",
         help="run three torch.compile'd nodes on a forward thread, one of them in full float32",
-        description=_demo.__doc__,
+        description=_demo.DESCRIPTION,
+        epilog=_demo.EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _demo.add_arguments(demo)
     demo.set_defaults(run=_demo.run)
     doctor = commands.add_parser(
         "doctor",
-        help="check that torch's legacy and new precision APIs agree (exit status 1 when mixed)",
-        description=_doctor.__doc__,
+        help="check that torch's legacy and new precision APIs agree (exit status 1 when they do not)",
+        description=_doctor.DESCRIPTION,
+        epilog=_doctor.EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _doctor.add_arguments(doctor)

@@ -11,7 +11,7 @@ float64 reference. On CUDA (``--device cuda``) each node is also captured in a C
 inside its scope, and the measured steps replay the graphs.
 
 On a torch whose Dynamo turns a "medium" default into "high" whenever it compiles a frame
-(2.4 to 2.8; see :func:`fp32scope._dynamo_exclude.dynamo_resets_medium`), the engine with a
+(2.4 to 2.8; ``dynamo_resets_medium`` in ``_dynamo_exclude``), the engine with a
 "medium" default also scopes the nodes that declare nothing, with the default, so that
 every call starts from "medium" again, and the output says why.
 """
@@ -22,6 +22,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from fp32scope._process import current_fp32_precision, set_process_default
 from fp32scope._proxy import Fp32ScopedModule
 from fp32scope._scope import fp32_precision_scope
 
-__all__ = ["DemoResult", "NodeResult", "add_arguments", "render", "run", "run_demo"]
+__all__ = ["DESCRIPTION", "EPILOG", "DemoResult", "NodeResult", "add_arguments", "render", "run", "run_demo"]
 
 _FORWARD_THREAD = "fp32scope-forward"
 _BATCH = 64
@@ -352,9 +353,9 @@ def run_demo(
         _flags.restore_raw_state(saved)
 
 
-def _show(precision: Fp32Precision | None) -> str:
+def _show(precision: Fp32Precision | None, none: str = "-") -> str:
     if precision is None:
-        return "-"
+        return none
     cudnn = {None: "", True: "/cudnn-tf32", False: "/cudnn-fp32"}[precision.cudnn_allow_tf32]
     return f"{precision.matmul or '-'}{cudnn}"
 
@@ -366,15 +367,19 @@ def _error(value: float | None) -> str:
 def render(result: DemoResult) -> str:
     """The result as the short table the ``demo`` command prints."""
     r = result
-    rows = [["node", "declares", "ran with", "before call", "after call", "graphs", "recompiles", "err", "fp32 err"]]
-    rows += [
-        [
-            *(n.name, _show(n.declared), _show(n.ran_with), _show(n.before), _show(n.after)),
-            *(str(n.graphs), str(n.recompiles), _error(n.max_abs_error), _error(n.full_fp32_error)),
-        ]
-        for n in r.nodes
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    header = ["node", "declares", "ran with", "before call", "after call", "graphs", "recompiles"]
+    if r.numeric_effect:
+        # Only where the default changes float32 results on this device: elsewhere both
+        # columns would read the same for every node.
+        header += ["error vs float64", "same, in full fp32"]
+    rows = [header]
+    for n in r.nodes:
+        row = [n.name, _show(n.declared, "nothing"), _show(n.ran_with), _show(n.before), _show(n.after)]
+        row += [str(n.graphs), str(n.recompiles)]
+        if r.numeric_effect:
+            row += [_error(n.max_abs_error), _error(n.full_fp32_error)]
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     thread = r.nodes[0].forward_thread if r.nodes else None
     captured = ", CUDA graph capture" if any(n.cuda_graph for n in r.nodes) else ""
@@ -389,26 +394,26 @@ def render(result: DemoResult) -> str:
         *table,
         "",
         (
-            "precision: matmul precision / cuDNN TF32; 'ran with' is read inside the node's call (a forward "
-            "pre-hook on the compiled module, inside the scope), 'before/after call' is "
-            "fp32scope.current_fp32_precision() on the forward thread."
-        ),
-        (
-            f"graphs, recompiles: counted by {r.recompile_counting}; graph breaks: {r.graph_breaks} "
-            "(torch._dynamo.utils.counters['graph_break'])."
+            "Each precision reads matmul precision/cuDNN TF32. 'ran with' is read inside the node's call; "
+            "'before call' and 'after call' are the process's precision around it. 'graphs' and 'recompiles' "
+            f"count what torch.compile compiled at the first call and after it; graph breaks: {r.graph_breaks}."
         ),
     ]
     if r.numeric_effect:
         lines.append(
-            f"numeric effect: visible on {r.device} at default {r.default.matmul!r} (a 256x256 matmul differs "
-            f"from 'highest' by up to {r.effect_probe_max_abs_diff:.1e}). err: max abs error of the node's "
-            "output against a float64 copy of the node on the same input; fp32 err: the same for the "
-            "node run eagerly in full float32."
+            f"At default {r.default.matmul!r} a 256x256 float32 matmul on {r.device} differs from 'highest' by up "
+            f"to {r.effect_probe_max_abs_diff:.1e}. 'error vs float64': the largest difference between the "
+            "node's output and a float64 copy of the node on the same input; 'same, in full fp32': that "
+            "error for the node run eagerly in full float32."
         )
     else:
+        elsewhere = "--device cuda on an Ampere-or-newer GPU shows one"
+        if r.default.matmul != "medium":
+            elsewhere = f"--default medium on a CPU with bf16 matmuls, or {elsewhere}"
         lines.append(
-            f"numeric effect: none visible at default {r.default.matmul!r} on {r.device} (a 256x256 float32 "
-            "matmul gives bit-identical results under it and under 'highest'), so no errors are shown."
+            f"No error columns: at default {r.default.matmul!r} a 256x256 float32 matmul on {r.device} gives "
+            f"bit-identical results to 'highest', so every node's error would be the same under both "
+            f"({elsewhere})."
         )
     if r.nodes_scoped_with_default:
         lines.append(
@@ -421,6 +426,27 @@ def render(result: DemoResult) -> str:
         )
     lines.append("all nodes ok." if r.ok else "PROBLEM: a node ran with the wrong precision, recompiled, or broke.")
     return "\n".join(lines)
+
+
+#: The ``demo --help`` text: plain text for a terminal.
+DESCRIPTION = """\
+Run an inference engine in miniature: three small torch.compile'd nodes in a
+pipeline, every forward on one forward thread. The last node, head, declares
+full float32; the others run with the process default. The engine sets the
+default once, reads each node's declaration (fp32scope.node_fp32_precision) and
+wraps each compiled node in fp32scope.Fp32ScopedModule.
+
+Per node the table shows the precision it declares, the precision it ran with
+(read inside its call), the process's precision before and after each call,
+the graphs torch.compile made and any recompiles, and, where the default
+changes float32 results on the device, each node's error against float64.
+With --device cuda each node is also captured in a CUDA graph inside its
+scope, and the measured steps replay the graphs."""
+
+#: The ``demo --help`` closing lines.
+EPILOG = """\
+exit status: 0 when every node ran with its precision, left the default as it
+found it and compiled once; 1 otherwise; 2 for a bad option."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -440,14 +466,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo and print it; 0 when every node behaved, 1 otherwise, 2 for a bad request."""
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("fp32scope demo: --device cuda, but torch.cuda.is_available() is False on this machine.")
+        print("fp32scope demo: --device cuda, but torch.cuda.is_available() is False on this machine.", file=sys.stderr)
         return 2
     backends = torch._dynamo.list_backends(exclude_tags=())
     if args.backend not in backends:
-        print(f"fp32scope demo: unknown --backend {args.backend!r}; torch.compile knows {', '.join(backends)}.")
+        known = ", ".join(backends)
+        print(f"fp32scope demo: unknown --backend {args.backend!r}; torch.compile knows {known}.", file=sys.stderr)
         return 2
     if args.steps < 1:
-        print(f"fp32scope demo: --steps must be at least 1; got {args.steps}.")
+        print(f"fp32scope demo: --steps must be at least 1; got {args.steps}.", file=sys.stderr)
         return 2
     result = run_demo(default=args.default, backend=args.backend, device=args.device, steps=args.steps)
     print(json.dumps(result.as_json(), indent=2) if args.json else render(result))

@@ -15,13 +15,14 @@ import argparse
 import dataclasses
 import importlib
 import json
+import sys
 
 import torch
 
 from fp32scope import _flags
 from fp32scope._dynamo_exclude import dynamo_resets_medium
 
-__all__ = ["CudaDevice", "Diagnosis", "Problem", "add_arguments", "diagnose", "render", "run"]
+__all__ = ["DESCRIPTION", "EPILOG", "CudaDevice", "Diagnosis", "Problem", "add_arguments", "diagnose", "render", "run"]
 
 Reading = str | bool
 
@@ -281,6 +282,28 @@ def render(diagnosis: Diagnosis) -> str:
     return "\n".join(lines)
 
 
+#: The ``doctor --help`` text: plain text for a terminal.
+DESCRIPTION = """\
+Check that torch's float32 precision flags are consistent in this process.
+
+torch keeps each flag twice: in the legacy API
+(torch.set_float32_matmul_precision, torch.backends.cuda.matmul.allow_tf32,
+torch.backends.cudnn.allow_tf32) and, from torch 2.9, in the per-backend
+fp32_precision attributes. A write through one API does not always update the
+other; then a legacy getter raises, or returns a stale value without raising.
+The doctor reads every flag, names each disagreement and prints the call that
+makes the state consistent again.
+
+It also finds out whether torch.compile turns a "medium" matmul precision into
+"high" on this torch (2.4 to 2.8 do), by compiling one tiny function; that is
+the only time it changes a flag, and it puts every flag back exactly."""
+
+#: The ``doctor --help`` closing lines.
+EPILOG = """\
+exit status: 0 when the state is consistent; 1 when it is mixed (the two APIs
+disagree); 2 for a bad option, or a --import module that does not import."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``doctor`` command's options to ``parser``."""
     parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
@@ -298,9 +321,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the diagnosis; 0 when the state is consistent, 1 when it is mixed."""
+    """Print the diagnosis; 0 when the state is consistent, 1 when it is mixed, 2 when a module does not import."""
     for module in args.modules:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001, PERF203  (any failure of the user's module: report it, exit 2)
+            # One line, distinct from the findings' exit status 1: a CI job can tell a typo in
+            # the command from a mixed state.
+            reason = " ".join(f"{type(error).__name__}: {error}".split())
+            print(f"fp32scope doctor: --import {module}: the module does not import ({reason})", file=sys.stderr)
+            return 2
     diagnosis = diagnose()
     if args.json:
         print(json.dumps(diagnosis.as_json(), indent=2))

@@ -31,3 +31,11 @@ class Fp32BackwardNotScopedWarning(UserWarning):
     their precision is the one current when autograd reaches the node. Pass the tensor as
     an argument, or wrap the node with ``backward=False`` to keep it forward-only.
     """
+
+
+# Tracebacks, reprs and pytest's reports name the public home (``fp32scope.Fp32ScopeError``),
+# where users import these from, rather than this private module. Pickling still works: the
+# package resolves the name lazily.
+for _name in __all__:
+    globals()[_name].__module__ = "fp32scope"
+del _name

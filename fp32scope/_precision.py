@@ -39,6 +39,38 @@ class Fp32Precision(NamedTuple):
         return self.matmul is None and self.cudnn_allow_tf32 is None
 
 
+# Words of torch's per-backend API (``fp32_precision``: "ieee", "tf32", "bf16") and common
+# names for the same thing, as users write them for ``matmul``: the value meant in torch's
+# legacy vocabulary, which is the one ``Fp32Precision`` uses.
+_MATMUL_SYNONYMS: dict[str, str] = {
+    "ieee": "highest",
+    "fp32": "highest",
+    "float32": "highest",
+    "full": "highest",
+    "tf32": "high",
+    "tensorfloat32": "high",
+    "bf16": "medium",
+    "bfloat16": "medium",
+}
+# The same words for ``cudnn_allow_tf32``, a bool.
+_CUDNN_SYNONYMS: dict[str, bool] = {"tf32": True, "ieee": False, "fp32": False, "float32": False}
+
+
+def _matmul_hint(value: str) -> str:
+    lower = value.lower()
+    if lower in MATMUL_PRECISIONS:
+        return f" (use lower case: {lower!r})"
+    if lower == "none":
+        return " (to leave the flag as it is, pass None, not the string 'none')"
+    meant = _MATMUL_SYNONYMS.get(lower.replace("-", "").replace("_", ""))
+    if meant is not None:
+        return (
+            f" (Fp32Precision uses the words of torch.set_float32_matmul_precision, not those of the "
+            f"fp32_precision attributes: for {value!r} write {meant!r})"
+        )
+    return ""
+
+
 def _where(node: str | None) -> str:
     return f" of node {node!r}" if node is not None else ""
 
@@ -54,12 +86,9 @@ def check_matmul(value: object, *, field: str, node: str | None = None) -> Matmu
         )
         raise TypeError(msg)
     if value not in MATMUL_PRECISIONS:
-        hint = ""
-        if value.lower() in MATMUL_PRECISIONS:
-            hint = f" (use lower case: {value.lower()!r})"
         msg = (
             f"{field}{_where(node)} must be one of {', '.join(map(repr, MATMUL_PRECISIONS))} "
-            f"or None; got {value!r}{hint}."
+            f"or None; got {value!r}{_matmul_hint(value)}."
         )
         raise ValueError(msg)
     return value  # type: ignore[return-value]  # narrowed by the membership test above
@@ -70,7 +99,10 @@ def check_cudnn(value: object, *, field: str, node: str | None = None) -> bool |
     # bool only: 0/1 and numpy bools would be accepted by torch but usually mean a mix-up.
     if value is None or type(value) is bool:
         return value
-    msg = f"{field}{_where(node)} must be True, False or None; got {value!r} of type {type(value).__name__}."
+    hint = ""
+    if isinstance(value, str) and value.lower() in _CUDNN_SYNONYMS:
+        hint = f" (for {value!r} write {_CUDNN_SYNONYMS[value.lower()]!r}: the field says whether cuDNN may use TF32)"
+    msg = f"{field}{_where(node)} must be True, False or None; got {value!r} of type {type(value).__name__}{hint}."
     raise TypeError(msg)
 
 

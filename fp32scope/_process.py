@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+
 from fp32scope import _flags
+from fp32scope._errors import Fp32ScopeError
 from fp32scope._precision import Fp32Precision, MatmulPrecision
 from fp32scope._scope import active_scope_thread, conflict_error, split
 
@@ -24,11 +27,21 @@ def set_process_default(precision: Fp32Precision | None) -> None:
     """
     fields = split(precision)
     owner = active_scope_thread()
+    if owner == threading.get_ident():
+        raise Fp32ScopeError(_INSIDE_A_SCOPE)
     if owner is not None:
         raise conflict_error("Cannot call set_process_default", owner)
     if fields is None:
         return
     _flags.apply(*fields)  # the token is dropped: this state is the new default
+
+
+_INSIDE_A_SCOPE = (
+    "Cannot call set_process_default inside an fp32_precision_scope (or a scoped node's call): "
+    "the new default would replace the scope's precision for the rest of its block, and the "
+    "scope's exit would then put back the state it saved, undoing the new default. Call "
+    "set_process_default outside any scope: once at start-up, or between forwards."
+)
 
 
 def _effective_matmul(cuda: str, mkldnn: str) -> MatmulPrecision:

@@ -4,14 +4,14 @@ pytest loads this module (entry point ``pytest11``) in every run of an environme
 fp32scope is installed, so it imports torch only when a test asks for the fixture or the
 strict check is on: a run that uses neither pays one boolean test per test.
 
-Strict mode (``--fp32scope-strict`` or ``fp32scope_strict = true`` in the ini file) saves
-the exact flag state before each test's setup and compares it with the state after the
-test's teardown, that is after every function-scoped fixture has been torn down. A test
-that leaves a difference gets an error at teardown that names each flag with its value
-before and after; the plugin then restores the saved state so that later tests start
-clean. A fixture of wider scope that changes the flags for several tests therefore
-counts as a leak of the first of them: in strict mode, change flags in function-scoped
-fixtures (``fp32_flags`` restores on its own).
+Strict mode (``--fp32scope-strict`` or ``fp32scope_strict = true`` in the ini file) runs
+``fp32scope.assert_fp32_flags_unchanged`` around each test: it saves the exact flag state
+before the test's setup and compares it with the state after the test's teardown, that is
+after every function-scoped fixture has been torn down. A test that leaves a difference gets
+an error at teardown that names each flag with its value before and after; the plugin then
+restores the saved state so that later tests start clean. A fixture of wider scope that
+changes the flags for several tests therefore counts as a leak of the first of them: in
+strict mode, change flags in function-scoped fixtures (``fp32_flags`` restores on its own).
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from fp32scope._flags import FlagReadings, RawState
+    from fp32scope._flags import FlagReadings
+    from fp32scope._unchanged import assert_fp32_flags_unchanged
 
 __all__ = ["Fp32Flags", "fp32_flags"]
 
 _STRICT_OPTION = "--fp32scope-strict"
 _STRICT_INI = "fp32scope_strict"
 _strict_key = pytest.StashKey[bool]()
-_before_key = pytest.StashKey[tuple["FlagReadings", "RawState"]]()
+_check_key: pytest.StashKey[assert_fp32_flags_unchanged] = pytest.StashKey()
 
 Reading = str | bool
 
@@ -62,51 +63,17 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(msg) from exc
 
 
-def _save() -> tuple[FlagReadings, RawState]:
-    from fp32scope import _flags
-
-    # Readings first: saving the raw state probes by writing for two C calls and restoring.
-    return _flags.read_all(), _flags.save_raw_state()
-
-
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     """In strict mode, save the flags before any fixture of the test is set up."""
     if item.config.stash.get(_strict_key, False):
-        item.stash[_before_key] = _save()
+        # The same check users write in their own tests, entered here and left at teardown.
+        from fp32scope._unchanged import assert_fp32_flags_unchanged
+
+        check = assert_fp32_flags_unchanged(restore=True)
+        check.__enter__()
+        item.stash[_check_key] = check
     return (yield)
-
-
-def _raw_labels(slots: int) -> list[tuple[str, str]]:
-    from fp32scope import _flags
-
-    labels = [(_flags.LEGACY_MATMUL, "legacy matmul enum"), (_flags.LEGACY_CUDNN, "legacy cuDNN bool")]
-    # No slots before torch 2.9: the raw state is the legacy pair alone.
-    labels += [(name, "slot") for _, _, name in _flags.SLOTS[:slots]]
-    return labels
-
-
-def _raw_values(state: RawState) -> list[Reading]:
-    e, b, slots = state
-    return [e, b, *slots]
-
-
-def leaks(before: tuple[FlagReadings, RawState], after: tuple[FlagReadings, RawState]) -> list[str]:
-    """One line per flag that differs between two saves; empty when nothing leaked."""
-    readings_before, raw_before = before
-    readings_after, raw_after = after
-    changed = [name for name in readings_before if readings_before[name] != readings_after.get(name)]
-    lines = [f"{name}: {readings_before[name]!r} -> {readings_after.get(name)!r}" for name in changed]
-    # The raw state catches what no reading shows: a slot that inherited its value and now
-    # holds it explicitly (a later write to its parent would no longer reach it).
-    labels = _raw_labels(len(raw_before[2]))
-    for (name, kind), old, new in zip(labels, _raw_values(raw_before), _raw_values(raw_after), strict=True):
-        if old != new and name not in changed:
-            lines.append(
-                f"{name}: reads the same, but its raw {kind} changed {old!r} -> {new!r} "
-                "('none' = inherits from its parent slot)"
-            )
-    return lines
 
 
 @pytest.hookimpl(wrapper=True)
@@ -115,20 +82,20 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     if call.when != "teardown" or not item.config.stash.get(_strict_key, False):
         return report
-    before = item.stash.get(_before_key, None)
-    if before is None:  # setup never ran (skipped by a collection-time mark, or interrupted)
+    check = item.stash.get(_check_key, None)
+    if check is None:  # setup never ran (skipped by a collection-time mark, or interrupted)
         return report
-    del item.stash[_before_key]
-    lines = leaks(before, _save())
-    if not lines:
+    del item.stash[_check_key]
+    try:
+        check.__exit__(None, None, None)  # restores the saved state where it raises
+    except AssertionError as error:
+        lines = str(error).splitlines()[1:]
+    else:
         return report
-    from fp32scope import _flags
-
-    _flags.restore_raw_state(before[1])
     message = (
         f"fp32scope strict: {item.nodeid} left torch's float32 precision flags changed after its "
-        "teardown (the plugin has restored them for the next test):\n  "
-        + "\n  ".join(lines)
+        "teardown (the plugin has restored them for the next test):\n"
+        + "\n".join(lines)
         + "\nRestore what the test changes: use the fp32_flags fixture, or fp32scope.fp32_precision_scope "
         "around the code that needs another precision."
     )

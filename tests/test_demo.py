@@ -67,35 +67,41 @@ def test_medium_default_changes_the_default_nodes_but_not_the_fp32_one(capsys: p
         assert nodes[name]["max_abs_error"] > nodes[name]["full_fp32_error"] > 0.0
 
 
-def test_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--backend", "eager", "--steps", "1"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+COLUMNS = ["node", "declares", "ran with", "before call", "after call", "graphs", "recompiles"]
+ERROR_COLUMNS = ["error vs float64", "same, in full fp32"]
+
+
+def columns(header: str) -> list[str]:
+    return [cell for cell in header.split("  ") if cell.strip()]
+
+
+@pytest.mark.parametrize("default", ["high", "medium"])
+def test_table(capsys: pytest.CaptureFixture[str], default: str) -> None:
+    assert main(["demo", "--backend", "eager", "--steps", "1", "--default", default]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("node "))
-    assert lines[header].split() == [
-        "node",
-        "declares",
-        "ran",
-        "with",
-        "before",
-        "call",
-        "after",
-        "call",
-        "graphs",
-        "recompiles",
-        "err",
-        "fp32",
-        "err",
-    ]
-    head = lines[header + 3].split()
+    numeric_effect = "No error columns" not in text
+    # The error columns appear only where the default changes results on this device, so a
+    # column is never all "-", and each header says what it shows.
+    assert [c.strip() for c in columns(lines[header])] == COLUMNS + (ERROR_COLUMNS if numeric_effect else [])
+    rows = [lines[header + i].split() for i in (1, 2, 3)]
+    assert [row[1] for row in rows] == ["nothing", "nothing", "highest/cudnn-fp32"]
+    head = rows[2]
     assert head[:7] == [
         "head",
         "highest/cudnn-fp32",
         "highest/cudnn-fp32",
-        "high/cudnn-tf32",
-        "high/cudnn-tf32",
+        f"{default}/cudnn-tf32",
+        f"{default}/cudnn-tf32",
         "1",
         "0",
     ]
+    if numeric_effect:
+        assert all(len(row) == 9 and "-" not in row[7:] for row in rows), rows
+        assert "'error vs float64': the largest difference between the node's output and a float64 copy" in text
+    else:
+        assert all(len(row) == 7 for row in rows)
     assert lines[-1] == "all nodes ok."
     assert "fp32scope demo: 3 torch.compile'd nodes, backend 'eager', device cpu" in lines[0]
 
@@ -117,12 +123,12 @@ def test_problem_detection() -> None:
 
 def test_bad_requests(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--backend", "eager", "--steps", "0"]) == 2
-    assert "--steps must be at least 1" in capsys.readouterr().out
+    assert "--steps must be at least 1" in capsys.readouterr().err
     assert main(["demo", "--backend", "no-such-backend"]) == 2
-    assert "unknown --backend 'no-such-backend'; torch.compile knows " in capsys.readouterr().out
+    assert "unknown --backend 'no-such-backend'; torch.compile knows " in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert main(["demo", "--device", "cuda"]) == 2
-        assert "torch.cuda.is_available() is False" in capsys.readouterr().out
+        assert "torch.cuda.is_available() is False" in capsys.readouterr().err
     with pytest.raises(ValueError, match="default must be one of"):
         run_demo(default="HIGH", backend="eager")
 

@@ -218,3 +218,36 @@ def test_doctor_says_what_a_compile_does_to_medium(capsys: pytest.CaptureFixture
         assert "call fp32scope.set_process_default again after warm-up" in out
     else:
         assert "torch.compile: keeps a 'medium' matmul precision while it compiles" in out
+
+
+@pytest.mark.parametrize(
+    ("source", "reason"),
+    [
+        (None, "ModuleNotFoundError: No module named 'nosuchmod'"),
+        ("raise RuntimeError('bad config\\nsecond line')", "RuntimeError: bad config second line"),
+        ("def broken(:\n", "SyntaxError: "),
+    ],
+    ids=["missing", "raises", "syntax"],
+)
+def test_a_module_that_does_not_import_is_one_line_and_exit_status_2(
+    tmp_path: Path, source: str | None, reason: str
+) -> None:
+    # Exit status 2, not 1: a CI job that runs the doctor can tell a typo in its command
+    # from a mixed state.
+    if source is not None:
+        (tmp_path / "nosuchmod.py").write_text(source)
+    done = subprocess.run(
+        [sys.executable, "-m", "fp32scope", "doctor", "--import", "nosuchmod"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("fp32scope doctor: --import nosuchmod: the module does not import (")
+    assert reason in lines[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import hypothesis.strategies as st
@@ -9,7 +10,15 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from fp32scope import Fp32Precision, _flags, current_fp32_precision, set_process_default
+from fp32scope import (
+    Fp32Precision,
+    Fp32ScopedModule,
+    Fp32ScopeError,
+    _flags,
+    current_fp32_precision,
+    fp32_precision_scope,
+    set_process_default,
+)
 from tests.releases import make_unusual_state, needs_new_api
 from tests.torch_model import TorchModel
 
@@ -130,3 +139,51 @@ def test_current_never_raises_and_agrees_with_torch_when_consistent(sequence: li
         assert current.matmul == torch.get_float32_matmul_precision()
     if readings[_flags.LEGACY_CUDNN] != _flags.RAISES:
         assert current.cudnn_allow_tf32 is torch.backends.cudnn.allow_tf32
+
+
+def test_set_process_default_inside_a_scope_on_the_same_thread_says_to_call_it_outside() -> None:
+    torch.set_float32_matmul_precision("high")
+    before = _flags.save_raw_state()
+    with fp32_precision_scope(Fp32Precision("highest")):
+        with pytest.raises(Fp32ScopeError) as caught:
+            set_process_default(Fp32Precision("medium"))
+    message = str(caught.value)
+    assert message.startswith("Cannot call set_process_default inside an fp32_precision_scope")
+    assert "Call set_process_default outside any scope: once at start-up, or between forwards." in message
+    # Not the advice for two threads: there is only one here.
+    assert "thread" not in message
+    assert _flags.save_raw_state() == before
+
+
+def test_set_process_default_inside_a_scoped_nodes_forward_gets_the_same_advice() -> None:
+    class SetsDefault(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            set_process_default(Fp32Precision("medium"))
+            return x
+
+    node = Fp32ScopedModule(SetsDefault(), Fp32Precision("highest"))
+    with pytest.raises(Fp32ScopeError, match="Call set_process_default outside any scope"):
+        node(torch.ones(1))
+
+
+def test_set_process_default_while_another_thread_is_in_a_scope_keeps_the_thread_advice() -> None:
+    inside, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with fp32_precision_scope(Fp32Precision("highest")):
+            inside.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold, name="forward")
+    holder.start()
+    try:
+        assert inside.wait(30)
+        with pytest.raises(Fp32ScopeError) as caught:
+            set_process_default(Fp32Precision("medium"))
+    finally:
+        release.set()
+        holder.join(30)
+    message = str(caught.value)
+    assert message.startswith("Cannot call set_process_default on thread 'MainThread'")
+    assert "while thread 'forward'" in message
+    assert "Run all scoped calls on one thread" in message

@@ -160,3 +160,58 @@ def test_public_names_are_exported_and_documented() -> None:
     assert own == set(fp32scope.__all__)
     with pytest.raises(AttributeError, match="no attribute 'missing'"):
         _ = fp32scope.missing
+
+
+@pytest.mark.parametrize(
+    ("word", "meant"),
+    [
+        ("ieee", "highest"),
+        ("fp32", "highest"),
+        ("float32", "highest"),
+        ("tf32", "high"),
+        ("TF32", "high"),
+        ("bf16", "medium"),
+        ("bfloat16", "medium"),
+    ],
+)
+def test_the_per_backend_apis_words_get_a_hint(entry: Any, word: str, meant: str) -> None:
+    before = _flags.save_raw_state()
+    with pytest.raises(ValueError, match="must be one of 'highest', 'high', 'medium' or None") as caught:
+        entry(Fp32Precision(word))  # type: ignore[arg-type]
+    assert f"for {word!r} write {meant!r}" in str(caught.value)
+    assert "set_float32_matmul_precision" in str(caught.value)
+    assert _flags.save_raw_state() == before
+
+
+def test_a_node_declaring_the_per_backend_words_gets_the_hint() -> None:
+    class Head(torch.nn.Linear):
+        float32_matmul_precision = "ieee"
+
+    with pytest.raises(ValueError, match="of node 'head' must be one of .*for 'ieee' write 'highest'"):
+        node_fp32_precision("head", Head(1, 1))
+
+
+def test_string_none_and_cudnn_words_get_a_hint() -> None:
+    with pytest.raises(ValueError, match=r"got 'none' \(to leave the flag as it is, pass None"):
+        fp32_precision_scope(Fp32Precision("none"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got 'tf32' of type str \(for 'tf32' write True"):
+        fp32_precision_scope(Fp32Precision(None, "tf32"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got 'ieee' of type str \(for 'ieee' write False"):
+        fp32_precision_scope(Fp32Precision(None, "ieee"))  # type: ignore[arg-type]
+
+
+def test_exceptions_and_warnings_show_as_the_package_names_them() -> None:
+    classes = [getattr(fp32scope, n) for n in fp32scope.__all__ if n.endswith(("Error", "Warning"))]
+    assert classes, "the package has public exception and warning classes"
+    for cls in classes:
+        assert issubclass(cls, (Exception, Warning))
+        assert cls.__module__ == "fp32scope", cls
+    # As a traceback's last line shows it.
+    done = subprocess.run(
+        [sys.executable, "-c", "import fp32scope; raise fp32scope.Fp32ScopeError('x')"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.stderr.rstrip().splitlines()[-1] == "fp32scope.Fp32ScopeError: x"
