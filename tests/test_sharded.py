@@ -12,6 +12,7 @@ where it does not, the scoped configurations of that wrapper skip with the reaso
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -114,3 +115,22 @@ def test_the_controls_run_unscoped(results: dict[str, Any]) -> None:
             continue
         assert got["seen"]["fwd block-in"] == [DEFAULT]
         assert got["seen"]["bwd block-in"] == [DEFAULT]
+
+
+def test_fsdp2_example_trains_like_the_unsharded_model(results: dict[str, Any]) -> None:
+    if sharded.fully_shard_api() is None or importlib.util.find_spec("torch.distributed.fsdp") is None:
+        pytest.skip(f"torch {TORCH_RELEASE} has no FSDP2")
+    why_not = _control_trains(results, "fsdp2-control")
+    if why_not is not None:
+        pytest.skip(why_not)
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401  (the example's import)
+    except ImportError:
+        pytest.skip(f"torch {TORCH_RELEASE} has FSDP2 only as torch.distributed._composable.fsdp")
+    from tests.test_examples import run_example
+
+    out = run_example("fsdp2_training.py")
+    for rank in (0, 1):
+        assert f"rank {rank}: block backward ran in [{FULL}] (3 steps)" in out
+        assert f"rank {rank}: matches the unsharded training at every step: True" in out
+        assert f"rank {rank}: flags after training: {DEFAULT}" in out
