@@ -30,6 +30,7 @@ def run_example(name: str) -> str:
 def test_every_example_is_tested() -> None:
     tested = {"compiled_nodes.py", "cuda_graph_capture.py", "engine_threads.py", "multiprocess_workers.py"}
     tested |= {"pytest_plugin_suite.py", "ddp_training.py"}  # ddp_training.py: in test_backward.py
+    tested |= {"fsdp2_training.py"}  # in test_sharded.py
     tested |= {"aoti_package.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
