@@ -234,8 +234,10 @@ def _outer_fires_post_accumulate_hooks() -> bool:
     return _outer_fires_post_hooks[0]
 
 
-def _accumulate_now(node: Any, leaf: torch.Tensor) -> Callable[[torch.Tensor], None]:
-    def accumulate(grad: torch.Tensor) -> None:
+def _accumulate_now(node: Any, leaf: torch.Tensor) -> Callable[[torch.Tensor | None], None]:
+    def accumulate(grad: torch.Tensor | None) -> None:
+        if grad is None:  # a scoped node inside this one accumulated it already
+            return
         post = getattr(leaf, "_post_accumulate_grad_hooks", None)
         if not post or not _outer_fires_post_accumulate_hooks():
             node(grad)
@@ -265,11 +267,25 @@ def _unmute(muted: list[tuple[Any, list[Any]]]) -> None:
         hooks.update(items)
 
 
-def _leaf_role(leaf: torch.Tensor, node: Any, handles: list[Any], muted: list[tuple[Any, list[Any]]]) -> int:
+# The AccumulateGrad nodes each running boundary accumulates into as its engine reaches
+# them, innermost last. A boundary running inside another's engine (a scoped node inside a
+# scoped node) sees its caller capture those leaves; it accumulates them itself instead, so
+# that hooks inside it see .grad too, and hands None on, which the outer one passes over.
+_accumulating: list[set[Any]] = []
+_NOTHING: set[Any] = set()
+
+
+def _leaf_role(
+    leaf: torch.Tensor, node: Any, enclosing: set[Any], handles: list[Any], muted: list[tuple[Any, list[Any]]]
+) -> int:
     """How the nested engine treats one of the caller's leaves: 1 capture, -1 accumulate now, 0 leave out."""
     try:
         will_run = _will_execute(node)
-    except RuntimeError:  # the caller captures this leaf's gradient (autograd.grad)
+    except RuntimeError:  # the caller captures this leaf's gradient (autograd.grad, or a boundary)
+        if node in enclosing:
+            # The enclosing boundary's accumulating hook is on the leaf still: it fires
+            # here, as this engine reaches the leaf.
+            return -1
         hooks = leaf._backward_hooks
         if hooks:
             muted.append((hooks, list(hooks.items())))
@@ -296,18 +312,24 @@ def _scoped_backward(
     returned: list[int] = []  # for each engine input, its boundary position, or -1: accumulated now
     handles: list[Any] = []
     muted: list[tuple[Any, list[Any]]] = []
+    enclosing = _accumulating[-1] if _accumulating else _NOTHING
+    accumulating: set[Any] = set()
+    _accumulating.append(accumulating)
     try:
         for i, (leaf, node) in enumerate(zip(inputs, state.leaf_nodes, strict=True)):
             # An argument's alias (node None): its gradient continues in the caller's graph.
-            role = 1 if node is None else _leaf_role(leaf, node, handles, muted)
+            role = 1 if node is None else _leaf_role(leaf, node, enclosing, handles, muted)
             if role:
                 engine_inputs.append(leaf)
                 returned.append(i if role == 1 else -1)
+                if role == -1:
+                    accumulating.add(node)
         if not engine_inputs:
             return result
         with state.scope():
             computed = _grad(outs, tuple(engine_inputs), gs, keep)
     finally:
+        _accumulating.pop()
         for handle in handles:
             handle.remove()
         _unmute(muted)

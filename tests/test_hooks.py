@@ -141,6 +141,8 @@ def _assert_same(got: Log, expected: Log) -> None:
 WRAPS: dict[str, Callable[[Block], Callable[[torch.Tensor], torch.Tensor]]] = {
     "proxy": lambda b: Fp32ScopedModule(b, FULL),
     "decorated": lambda b: with_fp32_precision(FULL)(b.forward),
+    # A scoped node inside another: the inner boundary runs inside the outer one's backward.
+    "nested": lambda b: Fp32ScopedModule(torch.nn.Sequential(Fp32ScopedModule(b, FULL)), FULL),
 }
 
 
