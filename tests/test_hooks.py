@@ -12,7 +12,7 @@ values. (The order in which two parameters' hooks interleave is the engine's, no
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -142,7 +142,7 @@ WRAPS: dict[str, Callable[[Block], Callable[[torch.Tensor], torch.Tensor]]] = {
     "proxy": lambda b: Fp32ScopedModule(b, FULL),
     "decorated": lambda b: with_fp32_precision(FULL)(b.forward),
     # A scoped node inside another: the inner boundary runs inside the outer one's backward.
-    "nested": lambda b: Fp32ScopedModule(torch.nn.Sequential(Fp32ScopedModule(b, FULL)), FULL),
+    "nested": lambda b: Fp32ScopedModule(torch.nn.Sequential(cast("torch.nn.Module", Fp32ScopedModule(b, FULL))), FULL),
 }
 
 
