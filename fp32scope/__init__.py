@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fp32scope._cuda_graphs import CapturedCudaGraph, capture_cuda_graph
     from fp32scope._decorator import with_fp32_precision
-    from fp32scope._errors import Fp32BackwardNotScopedWarning, Fp32FlagsChangedWarning, Fp32ScopeError
+    from fp32scope._errors import (
+        Fp32BackwardNotScopedWarning,
+        Fp32EagerFallbackWarning,
+        Fp32FlagsChangedWarning,
+        Fp32ScopeError,
+    )
     from fp32scope._export import (
         aoti_compile_and_package,
         aoti_load_package,
@@ -37,6 +42,7 @@ _HOMES = {
     "capture_cuda_graph": "_cuda_graphs",
     "with_fp32_precision": "_decorator",
     "Fp32BackwardNotScopedWarning": "_errors",
+    "Fp32EagerFallbackWarning": "_errors",
     "Fp32FlagsChangedWarning": "_errors",
     "Fp32ScopeError": "_errors",
     "aoti_compile_and_package": "_export",
@@ -73,6 +79,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CapturedCudaGraph",
     "Fp32BackwardNotScopedWarning",
+    "Fp32EagerFallbackWarning",
     "Fp32FlagsChangedWarning",
     "Fp32Precision",
     "Fp32ScopeError",

@@ -14,6 +14,7 @@ from fp32scope._backward import call_recorded, grad_enabled, recording_scope
 from fp32scope._precision import Fp32Precision, check_backward, check_precision
 from fp32scope._proxy import Fp32ScopedModule
 from fp32scope._scope import fp32_precision_scope, split, wrapper_scope
+from fp32scope._trampoline import active_callback, compiled_call, trampoline_for
 
 __all__ = ["with_fp32_precision"]
 
@@ -63,6 +64,9 @@ def with_fp32_precision(
     wrapper forward-only.
 
     Apply it to the compiled callable, never inside it: Dynamo cannot trace a flag change.
+    A target that is not compiled already and is called from compiled code, or whose
+    wrapper is handed to ``torch.compile``, is compiled as a graph of its own, inside the
+    scope.
 
     >>> import torch
     >>> @with_fp32_precision(Fp32Precision("highest"))
@@ -90,7 +94,8 @@ def with_fp32_precision(
         if isinstance(target, torch.nn.Module):
             return Fp32ScopedModule(target, checked, name=label, backward=backward)  # type: ignore[return-value]
         _dynamo_exclude.ensure()
-        return _scoped_function(target, wrapper_scope(checked, label), checked, backward)  # type: ignore[return-value]
+        trampoline = trampoline_for(target, label)
+        return _scoped_function(target, wrapper_scope(checked, label), checked, backward, trampoline)  # type: ignore[return-value]
 
     return decorate
 
@@ -100,14 +105,19 @@ def _scoped_function(
     scope: fp32_precision_scope,
     precision: Fp32Precision | None,
     backward: bool,
+    trampoline: Callable[..., Any] | None,
 ) -> Callable[..., Any]:
     record_scope = recording_scope(scope)
 
     def scoped(*args: Any, **kwargs: Any) -> Any:
         if grad_enabled() and backward:
-            return call_recorded(record_scope, target, args, kwargs)
+            fn = compiled_call(target, trampoline) if active_callback() else target
+            return call_recorded(record_scope, fn, args, kwargs)
         with scope:
-            return target(*args, **kwargs)
+            # A compiling caller's Dynamo is active: compile the target here, in the scope.
+            if not active_callback():  # (one C call; eager calls stop here)
+                return target(*args, **kwargs)
+            return compiled_call(target, trampoline)(*args, **kwargs)
 
     try:
         functools.update_wrapper(scoped, target)
@@ -119,4 +129,4 @@ def _scoped_function(
 
 
 # Every closure made by _scoped_function shares one code object: skip it once.
-_dynamo_exclude.exclude(_scoped_function(print, fp32_precision_scope(None), None, False), graph_break=False)
+_dynamo_exclude.exclude(_scoped_function(print, fp32_precision_scope(None), None, False, None), graph_break=False)

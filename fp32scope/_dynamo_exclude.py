@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["dynamo_resets_medium", "ensure", "exclude", "mark_function"]
@@ -55,10 +55,22 @@ def _flush() -> None:
 
     while _pending:
         fn, graph_break = _pending.pop()
-        skip_code(fn.__code__)
+        for code in _code_objects(fn.__code__):
+            skip_code(code)
         if graph_break:
             mark_function(fn)
     _done[0] = True
+
+
+def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    # A comprehension, generator expression, lambda or nested function is a code object of
+    # its own, in its function's constants, and Dynamo starts frames in it like in any
+    # other: skipping a function must skip them too (Python 3.12 inlines list, dict and set
+    # comprehensions; generator expressions stay separate everywhere).
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
 
 
 def mark_function(fn: Callable[..., Any]) -> None:

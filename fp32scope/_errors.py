@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["Fp32BackwardNotScopedWarning", "Fp32FlagsChangedWarning", "Fp32ScopeError"]
+__all__ = ["Fp32BackwardNotScopedWarning", "Fp32EagerFallbackWarning", "Fp32FlagsChangedWarning", "Fp32ScopeError"]
 
 
 class Fp32ScopeError(RuntimeError):
@@ -30,6 +30,19 @@ class Fp32BackwardNotScopedWarning(UserWarning):
     the graph cannot be separated from the caller's. Its gradients are still exact; only
     their precision is the one current when autograd reaches the node. Pass the tensor as
     an argument, or wrap the node with ``backward=False`` to keep it forward-only.
+    """
+
+
+class Fp32EagerFallbackWarning(UserWarning):
+    """A scope inside code that ``torch.compile`` compiles made Dynamo run that code eagerly.
+
+    Dynamo cannot compile a change of the float32 precision flags, so where a scope is
+    entered inside a compiled function (without ``fullgraph=True``, which makes it an
+    error) that function runs eagerly, not compiled. Warned once per code location, at
+    the scope's line, when Dynamo traces it. Wrap the compiled callable instead
+    (``with_fp32_precision(precision)(torch.compile(fn))``,
+    ``Fp32ScopedModule(torch.compile(module), precision)``), or make the part a scoped
+    child of the compiled model.
     """
 
 

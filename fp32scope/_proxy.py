@@ -13,6 +13,7 @@ from fp32scope import _dynamo_exclude
 from fp32scope._backward import call_recorded, grad_enabled, recording_scope
 from fp32scope._precision import Fp32Precision, check_backward, check_precision
 from fp32scope._scope import fp32_precision_scope, wrapper_scope
+from fp32scope._trampoline import active_callback, compiled_call, trampoline_for
 
 __all__ = ["SELF_RETURNING_METHODS", "Fp32ScopedModule", "precision_of"]
 
@@ -70,10 +71,13 @@ class Fp32ScopedModule(_ProxyBase):
     ``model = scoped.to(device).eval()`` keeps the precision. ``copy.copy``,
     ``copy.deepcopy`` and pickling keep the proxy around a copy of the module.
 
-    The proxy's call is excluded from Dynamo's tracing: used as a child of a module that is
-    compiled as a whole, the parent graph-breaks at the child, the child runs inside its
-    scope (and, if it is not compiled itself, is compiled as a graph of its own, inside the
-    scope), and the rest of the parent runs under the process default.
+    Under ``torch.compile`` the proxy's call is never traced (a flag change cannot be): a
+    parent compiled as a whole graph-breaks at the proxy, and the wrapped module, whatever
+    its class (``torch.nn`` built-ins included), is compiled as a graph of its own by the
+    parent's backend, inside the scope, forward and backward, once; the rest of the parent
+    compiles under the process default. ``torch.compile(proxy)`` compiles the module inside
+    the scope the same way. A module compiled already (``torch.compile(module)``) is called
+    as it is, never compiled again.
 
     Training: when a call records autograd history (grad mode on and an output requires
     grad), the backward of every autograd node that call created runs in the same
@@ -116,15 +120,24 @@ class Fp32ScopedModule(_ProxyBase):
         # Whether calls that record autograd history also scope their backward.
         self._self_backward = backward and self._self_scope._fields is not None
         self._self_record_scope = recording_scope(self._self_scope)
+        # What a compiling caller's Dynamo converts instead of the module (see _trampoline).
+        self._self_trampoline = trampoline_for(module, self._self_name)
 
     # ``self`` is positional-only so that a keyword argument named "self" still reaches
     # the module (wrapt's CallableObjectProxy gets the same by unpacking *args, which costs
     # a list on every call).
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if grad_enabled() and self._self_backward:  # no_grad / inference_mode: one C call
-            return call_recorded(self._self_record_scope, self.__wrapped__, args, kwargs)
+            fn = self.__wrapped__
+            if active_callback():
+                fn = compiled_call(fn, self._self_trampoline)
+            return call_recorded(self._self_record_scope, fn, args, kwargs)
         with self._self_scope:
-            return self.__wrapped__(*args, **kwargs)
+            # Dynamo's frame callback is active while a compiled caller runs its eager parts
+            # (this call among them): compile the module here, inside the scope.
+            if not active_callback():  # (one C call; eager calls stop here)
+                return self.__wrapped__(*args, **kwargs)
+            return compiled_call(self.__wrapped__, self._self_trampoline)(*args, **kwargs)
 
     # How Dynamo reaches the call when the proxy is a child of a compiled parent. torch 2.4's
     # Dynamo (nn-module inlining off) treats any nn.Module attribute as a static module: it

@@ -97,7 +97,11 @@ def _graph_break_with_reason(ctx: Any) -> None:
     # Runs inside Dynamo, at trace time (torch._dynamo.comptime): a graph break whose reason
     # is the library's message. Every supported Dynamo reports that reason, and under
     # fullgraph=True raises it (torch 2.4 prints it as is; later releases as the context of a
-    # "ComptimeContext graph break").
+    # "ComptimeContext graph break"). Without fullgraph Dynamo then runs the function
+    # around the scope eagerly, which only its logs would say: warn (once per location).
+    from fp32scope._eager_fallback import warn_eager_fallback
+
+    warn_eager_fallback(ctx)
     ctx.graph_break(_COMPILING_MSG)
 
 
