@@ -23,13 +23,19 @@ class Fp32FlagsChangedWarning(RuntimeWarning):
 
 
 class Fp32BackwardNotScopedWarning(UserWarning):
-    """A scoped node's backward cannot run in the node's precision; it runs unscoped.
+    """A scoped node's backward cannot be bracketed to the node's own autograd nodes.
 
-    Raised once per node when a wrapped call reaches a tensor with autograd history that
-    is not one of its arguments (a closure over an activation, say), so that its part of
-    the graph cannot be separated from the caller's. Its gradients are still exact; only
-    their precision is the one current when autograd reaches the node. Pass the tensor as
-    an argument, or wrap the node with ``backward=False`` to keep it forward-only.
+    Warned once per node, in two cases; every gradient stays exact in both:
+
+    * the wrapped call reaches a tensor with autograd history that is not one of its
+      arguments (a closure over an activation, FSDP1's flat-parameter views): the backward
+      of that tensor's history runs inside the node's backward too, in the node's
+      precision (and, where the tensor is also used outside the node, once more for that
+      use). Pass the tensor as an argument, or wrap the unit that makes it;
+    * the call runs inside a ``torch.func`` transform, which differentiates it as it is:
+      its backward runs under the precision current when autograd reaches it.
+
+    ``backward=False`` keeps the node forward-only and silences it.
     """
 
 

@@ -176,3 +176,49 @@ def test_post_accumulate_grad_hook_fires_once_per_step_with_grad_set() -> None:
         assert seen[-1] is not None
         torch.testing.assert_close(seen[-1], linear.weight.grad)
         linear.weight.grad = None
+
+
+def test_a_tied_parameter_gets_both_parts_and_its_accumulation_hooks_fire_once() -> None:
+    # Used inside the scoped node and before it: the gradient is the sum of both uses;
+    # post-accumulate-grad hooks fire once with that sum in .grad; tensor hooks see each part.
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    tokens = torch.randn(4, 8)
+    tensor_calls: list[torch.Tensor] = []
+    post: list[torch.Tensor | None] = []
+    weight.register_hook(lambda g: tensor_calls.append(g.detach().clone()))  # type: ignore[no-untyped-call]
+    weight.register_post_accumulate_grad_hook(lambda t: post.append(_value(t.grad)))  # type: ignore[no-untyped-call]
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        return h @ weight.t()
+
+    def loss_of(node: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return node(torch.tanh(tokens @ weight)).pow(2).sum()
+
+    torch.autograd.backward(loss_of(head))
+    expected = weight.grad
+    assert expected is not None
+    assert len(tensor_calls) == 1
+    weight.grad = None
+    tensor_calls.clear()
+    post.clear()
+    torch.autograd.backward(loss_of(with_fp32_precision(FULL)(head)))
+    torch.testing.assert_close(weight.grad, expected)
+    assert len(post) == 1
+    torch.testing.assert_close(post[0], expected)
+    assert len(tensor_calls) == 2  # the part inside the node, then the part before it
+    torch.testing.assert_close(tensor_calls[0] + tensor_calls[1], expected)
+
+
+def test_a_hook_removed_after_a_scoped_backward_stays_removed() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 8)
+    calls: list[int] = []
+    handle = linear.weight.register_hook(lambda g: calls.append(1))  # type: ignore[no-untyped-call]
+    node = Fp32ScopedModule(linear, FULL)
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.autograd.backward(node(x * 2).sum())
+    assert calls == [1]
+    handle.remove()
+    torch.autograd.backward(node(x * 2).sum())
+    assert calls == [1]
