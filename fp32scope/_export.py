@@ -70,6 +70,13 @@ def _aoti_missing() -> str | None:
             f"torch {_torch_release()} has no torch._inductor.aoti_compile_and_package / aoti_load_package "
             "(AOTInductor packages need torch >= 2.6)"
         )
+    parameters = list(inspect.signature(inductor.aoti_compile_and_package).parameters.values())[1:]
+    if any(p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD for p in parameters):
+        return (
+            f"torch {_torch_release()}'s torch._inductor.aoti_compile_and_package takes the example inputs "
+            "as arguments (torch 2.5); fp32scope uses the form that reads them from the exported program "
+            "(torch >= 2.6)"
+        )
     if not hasattr(inductor.config.aot_inductor, "metadata"):
         return f"torch {_torch_release()}'s AOTInductor has no aot_inductor.metadata to record the precision in"
     return None

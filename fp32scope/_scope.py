@@ -62,7 +62,15 @@ _EXPORTING_MSG: Final = (
     "fp32scope.save_exported_program(exported_program, f, precision). A model whose parts need "
     "different precisions is exported node by node."
 )
-_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+
+
+def _is_exporting_without_api() -> bool:
+    # torch 2.4 has no is_exporting(); there only torch.export sets this flag (is_compiling()
+    # reads it outside Dynamo, which folds is_compiling() itself).
+    return bool(getattr(torch.compiler, "_is_compiling_flag", False))
+
+
+_is_exporting = getattr(torch.compiler, "is_exporting", _is_exporting_without_api)
 
 
 def _torch_older_than(major: int, minor: int) -> bool:

@@ -11,6 +11,7 @@ the flags it sees.
 # No ``from __future__ import annotations``: torch 2.4's custom_op reads the annotations as
 # objects, not strings.
 import copy
+import inspect
 import io
 import json
 import zipfile
@@ -31,6 +32,7 @@ from fp32scope import (
     Fp32Precision,
     Fp32ScopedModule,
     Fp32ScopeError,
+    _dynamo_exclude,
     _export,
     _flags,
     _record,
@@ -437,6 +439,8 @@ def _scoped_targets() -> dict[str, Callable[[], Any]]:
     }
 
 
+#: Whether Dynamo reports why a function was excluded (torch.compiler.disable(reason=...), torch >= 2.8).
+DYNAMO_SHOWS_REASONS = "reason" in inspect.signature(torch.compiler.disable).parameters
 EXPORT_FIX = ("__wrapped__", "fp32scope.aoti_compile_and_package", "fp32scope.save_exported_program")
 
 
@@ -458,13 +462,23 @@ def test_non_strict_export_of_scoped_code_says_what_to_do(target: str) -> None:
 @pytest.mark.parametrize("target", sorted(_scoped_targets()))
 def test_strict_export_of_scoped_code_says_what_to_do(target: str) -> None:
     model = _scoped_targets()[target]()
-    make_unusual_state()
+    if _dynamo_exclude.dynamo_resets_medium():
+        # torch 2.4-2.8: any Dynamo compile turns "medium" into "high" (torch's doing, with or
+        # without fp32scope); start from another unusual state.
+        set_default(Fp32Precision("high", cudnn_allow_tf32=False))
+    else:
+        make_unusual_state()
     state = _flags.save_raw_state()
     with pytest.raises(Exception) as info:
         torch.export.export(model, (torch.randn(2, 4),), strict=True)
     message = str(info.value)
-    assert "torch.export cannot export it: one exported graph cannot carry a precision change" in message
-    assert all(fix in message for fix in EXPORT_FIX)
+    if DYNAMO_SHOWS_REASONS:
+        assert "torch.export cannot export it: one exported graph cannot carry a precision change" in message
+        assert all(fix in message for fix in EXPORT_FIX)
+    elif target != "scoped node":  # torch 2.4's Dynamo names the disabled function, without its reason
+        assert "torch._dynamo.disable() wrapped function <function" in message
+    # (torch 2.4's strict export of the proxy itself fails inside torch: "Unexpectedly found a
+    # <class 'torch._subclasses.fake_tensor.FakeTensor'> in the outputs".)
     assert _flags.save_raw_state() == state
 
 
