@@ -22,11 +22,22 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.doctest",
     "sphinx.ext.viewcode",
+    "sphinx_copybutton",
 ]
 
 exclude_patterns = ["_build"]
-html_theme = "alabaster"
+
+# -- HTML ------------------------------------------------------------------------------------
+# furo: a column that fits code lines of up to about 90 characters at its code font size
+# (tests/test_docs.py keeps the code the pages show within 88), with a sidebar that lists
+# every page, and dark mode.
+html_theme = "furo"
+html_title = f"fp32scope {release}"
 html_static_path: list[str] = []
+# The copy button copies code without the prompts and without doctest output.
+copybutton_prompt_text = r">>> |\.\.\. |\$ "
+copybutton_prompt_is_regexp = True
+copybutton_only_copy_prompt_lines = True
 
 # -- autodoc -------------------------------------------------------------------------------
 autodoc_member_order = "bysource"

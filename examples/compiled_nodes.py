@@ -1,9 +1,9 @@
 """Decorating compiled node callables with a float32 precision.
 
-An engine sets the process default once with ``set_process_default``; each node that needs
-another precision is wrapped *around* its ``torch.compile``'d callable, so that every call,
-the first (compiling) one included, runs with the node's precision, and the process default
-is back as soon as the call returns.
+An engine sets the process default once with ``set_process_default``; each node that
+needs another precision is wrapped *around* its ``torch.compile``'d callable, so that
+every call, the first (compiling) one included, runs with the node's precision, and the
+process default is back as soon as the call returns.
 
 The nodes read the precision in the middle of their forward through a probe that
 ``torch.compiler.disable`` keeps out of the graph (reading the flags inside a compiled
@@ -30,11 +30,12 @@ from fp32scope import (
 
 
 def _probe(node: str) -> None:
-    """Print the precision the node's kernels run with (runs eagerly, between graphs)."""
+    """Print the precision the node's kernels run with (eagerly, between graphs)."""
     print(f"  inside {node:<7} {current_fp32_precision()}")
 
 
-probe: Callable[[str], None] = torch.compiler.disable(_probe)  # type: ignore[no-untyped-call]
+probe: Callable[[str], None]
+probe = torch.compiler.disable(_probe)  # type: ignore[no-untyped-call]
 
 
 class Encoder(torch.nn.Module):
@@ -80,22 +81,25 @@ def main() -> None:
     print(f"process default: {default}")
 
     encoder = torch.compile(Encoder(), backend="eager")
-    # torch.compile returns an OptimizedModule for a module (its annotation says Callable).
+    # torch.compile returns an OptimizedModule for a module (annotated as a Callable).
     compiled_head = cast("torch.nn.Module", torch.compile(Head(), backend="eager"))
     # The engine reads the declaration (through the compiled module) at load time ...
     declared = node_fp32_precision("head", compiled_head)
     print(f"head declares:   {declared}")
     # ... and wraps the compiled module, so that every call runs inside the scope.
     head = Fp32ScopedModule(compiled_head, declared, name="head")
-    print(f"precision_of(head) = {precision_of(head)}, precision_of(decode) = {precision_of(decode)}")
+    print(f"precision_of(head) = {precision_of(head)}")
+    print(f"precision_of(decode) = {precision_of(decode)}")
 
     x = torch.randn(8, 16)
-    for step in range(2):  # step 0 compiles every node, inside its scope; step 1 reuses the graphs
+    # Step 0 compiles every node, inside its scope; step 1 reuses the graphs.
+    for step in range(2):
         print(f"step {step}:")
         probs = decode(head(encoder(x)))
         print(f"  after the step: {current_fp32_precision()}")
         assert current_fp32_precision() == default
-    print(f"output shape {tuple(probs.shape)}; the process default is back after every call: {default}")
+    print(f"output shape {tuple(probs.shape)}")
+    print(f"the process default is back after every call: {default}")
 
 
 if __name__ == "__main__":
