@@ -204,3 +204,37 @@ def test_loading_the_plugin_imports_no_torch() -> None:
     code = "import sys, fp32scope._pytest_plugin, fp32scope; print(sorted(m for m in sys.modules if m == 'torch'))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)  # noqa: S603
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.usefixtures("highest")
+def test_strict_reports_what_assert_fp32_flags_unchanged_reports(pytester: pytest.Pytester) -> None:
+    # The plugin's check is the public helper: the same lines, in a user's test and at teardown.
+    pytester.makepyfile("""
+        import torch
+        from fp32scope import assert_fp32_flags_unchanged
+
+        def leak():
+            torch.set_float32_matmul_precision("medium")
+            torch.backends.cudnn.allow_tf32 = False
+
+        def test_helper():
+            with assert_fp32_flags_unchanged():
+                leak()
+
+        def test_leak_for_strict():
+            leak()
+    """)
+    result = pytester.runpytest(*LOAD, "--fp32scope-strict")
+    result.assert_outcomes(passed=1, failed=1, errors=1)
+    out = result.stdout.str()
+    helper = out.split("_ test_helper _", 1)[1].split("_ ERROR at teardown", 1)[0]
+    strict = out.split("ERROR at teardown of test_leak_for_strict", 1)[1]
+    for line in (
+        "torch.get_float32_matmul_precision(): 'highest' -> 'medium'",
+        "torch.backends.cudnn.allow_tf32: True -> False",
+    ):
+        assert line in helper, out
+        assert line in strict, out
+    assert "AssertionError: the block changed torch's float32 precision flags (now restored):" in helper
+    # The helper restored the flags, so strict mode found nothing to report for test_helper.
+    assert "test_helper left torch's float32 precision flags changed" not in out
