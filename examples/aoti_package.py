@@ -62,7 +62,12 @@ def export_and_compile(path: Path) -> None:
         print(f"exporting the scoped node: {str(error)[:60]}...")
     exported = torch.export.export(head.__wrapped__, (x,))  # the bare node
     written = fp32scope.aoti_compile_and_package(exported, precision_of(head), package_path=path)
-    record = torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(written, "model")  # type: ignore[attr-defined]
+    # Read without loading the package's library where torch offers it (not in torch 2.8).
+    read_early = getattr(torch._C._aoti.AOTIModelPackageLoader, "load_metadata_from_package", None)
+    if read_early is not None:
+        record = read_early(written, "model")
+    else:
+        record = torch._inductor.aoti_load_package(written).get_metadata()
     print("the package records:", {k: v for k, v in sorted(record.items()) if k.startswith("fp32scope")})
 
 

@@ -291,9 +291,10 @@ def aoti_load_package(
     ``precision`` defaults to the recorded one. Refused with :class:`ValueError` (nothing
     returned): a package that records no precision, unless ``precision=`` says which one
     (None: the process default); a ``precision=`` that differs from the recorded one (the
-    package's code was generated for that one). The record is read without loading the
-    package's shared library where torch can (torch >= 2.8), so a refused package is never
-    loaded. Raises :class:`NotImplementedError` on a torch without AOTInductor packaging.
+    package's code was generated for that one). Where torch can read the record without
+    loading the package's shared library (``load_metadata_from_package``: torch 2.13 and
+    2.14 can, 2.8 cannot), a refused package is never loaded. Raises
+    :class:`NotImplementedError` on a torch without AOTInductor packaging.
     """
     checked_path = _check_path(path, "path", exists=True)
     if precision is not RECORDED:

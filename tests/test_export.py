@@ -242,6 +242,16 @@ def test_every_call_runs_in_the_recorded_precision(compiled: Compiled, mode: str
 
 
 @needs_aoti
+def test_flags_are_restored_when_a_call_fails(compiled: Compiled) -> None:
+    loaded = fp32scope.aoti_load_package(compiled.path)
+    make_unusual_state()
+    state = _flags.save_raw_state()
+    with pytest.raises(RuntimeError):
+        loaded(torch.randn(3, 5))  # not the shape it was compiled for
+    assert _flags.save_raw_state() == state
+
+
+@needs_aoti
 def test_the_wrapper_is_transparent(compiled: Compiled) -> None:
     from torch._inductor.package import AOTICompiledModel  # type: ignore[attr-defined]
 
@@ -473,7 +483,9 @@ def test_strict_export_of_scoped_code_says_what_to_do(target: str) -> None:
         torch.export.export(model, (torch.randn(2, 4),), strict=True)
     message = str(info.value)
     if DYNAMO_SHOWS_REASONS:
-        assert "torch.export cannot export it: one exported graph cannot carry a precision change" in message
+        # Dynamo's refusal with fp32scope's reason, or (torch 2.8, the node itself) the scope's own.
+        assert "torch.export cannot export" in message
+        assert "one exported graph cannot carry a" in message
         assert all(fix in message for fix in EXPORT_FIX)
     elif target != "scoped node":  # torch 2.4's Dynamo names the disabled function, without its reason
         assert "torch._dynamo.disable() wrapped function <function" in message
@@ -554,6 +566,31 @@ def test_saved_program_refusals(tmp_path: Path) -> None:
         fp32scope.load_exported_program(tmp_path / "missing.pt2")
     assert not (tmp_path / "x.pt2").exists()
     assert _flags.save_raw_state() == state
+
+
+# -- caches (what the guide says about them) ----------------------------------------------
+
+
+def test_fx_graph_cache_key_has_the_cublas_precision_not_the_cudnn_one() -> None:
+    codecache = pytest.importorskip("torch._inductor.codecache")
+    parameters = list(inspect.signature(codecache.compiled_fx_graph_hash).parameters)
+    if parameters != ["gm", "example_inputs", "fx_kwargs", "inputs_to_check"]:
+        pytest.skip(f"torch {TORCH_RELEASE}'s compiled_fx_graph_hash takes {parameters}: another cache key")
+
+    class MatmulNode(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ x
+
+    graph = torch.fx.symbolic_trace(MatmulNode())
+    x = torch.randn(2, 2)
+
+    def key(precision: Fp32Precision) -> str:
+        set_default(precision)
+        found: str = codecache.compiled_fx_graph_hash(graph, [x], {}, [])[0]
+        return found
+
+    assert key(Fp32Precision("highest", cudnn_allow_tf32=True)) == key(Fp32Precision("highest", cudnn_allow_tf32=False))
+    assert key(Fp32Precision("highest", cudnn_allow_tf32=True)) != key(Fp32Precision("high", cudnn_allow_tf32=True))
 
 
 # -- the API -----------------------------------------------------------------------------
