@@ -83,8 +83,11 @@ def _aoti_missing() -> str | None:
 
 
 def _inductor() -> Any:
-    # Imported on first use: Inductor takes about a second to import.
+    # Imported on first use: Inductor takes about a second to import. torch 2.10's package
+    # loader reads torch._inductor.codecache without importing it, so that a fresh process's
+    # first aoti_load_package failed with "module 'torch._inductor' has no attribute 'codecache'".
     import torch._inductor
+    import torch._inductor.codecache
     import torch._inductor.config
 
     return torch._inductor
