@@ -6,7 +6,8 @@ over gloo on the CPU; each trains, for every configuration, the model
 declared full fp32 and the process default "high". Rank 0 writes, per configuration and
 step, the largest difference between the trained model's full parameters and those of the
 same model trained in one process, unsharded and without fp32scope, on both ranks' batches
-(so that a gradient that arrives late or not at all shows at the next step), and what the
+(so that a gradient that arrives late or not at all shows at the next step), the full
+parameters themselves (to compare with the same wrapper without fp32scope), and what the
 probes (``tests/probe.py``) saw: the precision of the block's forward and backward and of
 the rest. A configuration that fails writes its error instead. ``tests/test_sharded.py``
 runs it once and checks each configuration.
@@ -253,6 +254,7 @@ def train(name: str, rank: int, expected: list[dict[str, torch.Tensor]]) -> dict
         model, read = CONFIGS[name]()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     diffs = []
+    states = []
     probes.SEEN.clear()
     for step, x in enumerate(batches(rank)):
         opt.zero_grad()
@@ -261,12 +263,13 @@ def train(name: str, rank: int, expected: list[dict[str, torch.Tensor]]) -> dict
         opt.step()
         got = read()
         diffs.append(max((got[k] - v).abs().max().item() for k, v in expected[step].items()))
+        states.append({k: got[k].flatten().tolist() for k in sorted(expected[step])})
     seen: dict[str, list[str]] = {}
     for phase, tag, precision in probes.SEEN:
         seen.setdefault(f"{phase} {tag}", [])
         if str(precision) not in seen[f"{phase} {tag}"]:
             seen[f"{phase} {tag}"].append(str(precision))
-    return {"diffs": diffs, "seen": seen, "flags_restored": _flags.read_all() == before}
+    return {"diffs": diffs, "states": states, "seen": seen, "flags_restored": _flags.read_all() == before}
 
 
 def worker(rank: int, init_file: str, out: str, names: list[str]) -> None:
