@@ -20,6 +20,7 @@ import torch
 
 import fp32scope
 from fp32scope import Fp32Precision, Fp32ScopedModule, _flags, fp32_precision_scope, with_fp32_precision
+from fp32scope._trampoline import active_callback
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
@@ -147,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         "one scope object reused around the bare nn.Module call": scope_module,
         "Fp32ScopedModule call under no_grad, both switch": call_proxy_no_grad,
         "one scope object reused around the bare nn.Module call, under no_grad": scope_module_no_grad,
+        # Part of every wrapper call: whether a compiled caller's Dynamo is active (then the
+        # wrapped callable is compiled in the scope; see fp32scope._trampoline).
+        "reading Dynamo's frame callback (one C call)": active_callback,
     }
     # Interleave repeats across cases so that a noisy stretch hits every case alike.
     samples: dict[str, list[float]] = {name: [] for name in cases}
@@ -197,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     print(f"  proxy on top of the scope around the same call, under no_grad {proxy_no_grad_over:.1f} [target <= 300]")
     print(f"  proxy on top of the scope around the same call, grad mode {proxy_over:.1f}")
     print(f"  decorator on top of the scope around the same call {decorated_over:.1f}")
+    callback = med["reading Dynamo's frame callback (one C call)"]
+    print(f"  of which reading Dynamo's frame callback (the call itself, not minus the bare call) {callback:.1f}")
     print("ratios:")
     for name, value in ratios.items():
         print(f"  {name}: {value:.2f}")
