@@ -16,7 +16,8 @@ cache size limit (8) it runs a frame eagerly, silently. Shared by all wrappers, 
 object would fill up after eight scoped nodes.
 
 Eager calls (no compile anywhere) never meet a trampoline: reading the callback is one C
-call. Already-compiled callables (a ``torch.compile``'d module or function, a module
+call (on torch 2.4, which has no getter, a small function around the setter).
+Already-compiled callables (a ``torch.compile``'d module or function, a module
 compiled in place) and other wrappers are called directly, so that nothing is compiled
 twice.
 """

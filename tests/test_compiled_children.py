@@ -230,6 +230,22 @@ def test_an_already_compiled_child_is_not_compiled_twice(grad: bool) -> None:
     check_dynamo_never_failed_in_the_package()
 
 
+def test_a_child_compiled_in_place_is_not_compiled_twice() -> None:
+    set_process_default(DEFAULT)
+    torch.manual_seed(0)
+    inner, outer = Recording(), Recording()
+    # (A user-defined module: module.compile() of a torch.nn built-in compiles nothing, as
+    # Dynamo starts no frame in torch's files, with or without fp32scope.)
+    child = UserChild()
+    node = Fp32ScopedModule(child, FULL)
+    child.compile(backend=inner.backend())  # after wrapping: found at call time
+    parent = Parent(cast("Callable[[torch.Tensor], torch.Tensor]", node))
+    run(torch.compile(parent, backend=outer.backend()), parent, grad=False)
+    assert inner.forward == ["highest"]
+    assert outer.forward == ["high", "high"]
+    check_dynamo_never_failed_in_the_package()
+
+
 def test_children_called_in_a_loop_of_the_parent_are_still_compiled() -> None:
     # A graph break inside a loop may make Dynamo run the looping frame eagerly; the
     # children are compiled all the same, each in its precision.
