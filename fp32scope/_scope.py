@@ -107,6 +107,9 @@ def _graph_break_with_reason(ctx: Any) -> None:
     # fullgraph=True raises it (torch 2.4 prints it as is; later releases as the context of a
     # "ComptimeContext graph break"). Without fullgraph Dynamo then runs the function
     # around the scope eagerly, which only its logs would say: warn (once per location).
+    if _is_exporting():  # strict torch.export traces with Dynamo: say what export needs
+        ctx.graph_break(_EXPORTING_MSG)
+        return
     from fp32scope._eager_fallback import warn_eager_fallback
 
     warn_eager_fallback(ctx)

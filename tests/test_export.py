@@ -14,6 +14,7 @@ import copy
 import inspect
 import io
 import json
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -491,6 +492,23 @@ def test_strict_export_of_scoped_code_says_what_to_do(target: str) -> None:
         assert "torch._dynamo.disable() wrapped function <function" in message
     # (torch 2.4's strict export of the proxy itself fails inside torch: "Unexpectedly found a
     # <class 'torch._subclasses.fake_tensor.FakeTensor'> in the outputs".)
+    assert _flags.save_raw_state() == state
+
+
+def test_strict_export_of_a_scope_inside_forward_says_what_to_do() -> None:
+    class WithScope(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with fp32_precision_scope(PRECISION):
+                return x * 2
+
+    state = _flags.save_raw_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fp32scope.Fp32EagerFallbackWarning)  # nothing runs eagerly: export fails
+        with pytest.raises(Exception) as info:
+            torch.export.export(WithScope(), (torch.randn(2, 4),), strict=True)
+    message = str(info.value)
+    assert "torch.export cannot export" in message
+    assert "torch.compile is tracing" not in message
     assert _flags.save_raw_state() == state
 
 
