@@ -74,25 +74,7 @@ def code_lines(page: Path) -> list[tuple[str, int, str]]:
     return found
 
 
-# Pages being rewritten by other changes at the time this check came in; their wide lines
-# are listed when the check runs. Remove a page from here once it passes.
-IN_FLIGHT = {"guide/compiled.rst", "guide/exported.rst", "guide/training.rst"}
-
-
-def page_params() -> list[object]:
-    return [
-        pytest.param(
-            page,
-            id=str(page.relative_to(DOCS)),
-            marks=[pytest.mark.xfail(reason="page rewritten by another change", strict=False)]
-            if str(page.relative_to(DOCS)) in IN_FLIGHT
-            else [],
-        )
-        for page in pages()
-    ]
-
-
-@pytest.mark.parametrize("page", page_params())
+@pytest.mark.parametrize("page", pages(), ids=lambda page: str(page.relative_to(DOCS)))
 def test_no_code_line_is_wider_than_the_column(page: Path) -> None:
     wide = [f"{where} ({width}): {text.strip()}" for where, width, text in code_lines(page) if width > CODE_WIDTH]
     assert not wide, "\n".join(wide)
