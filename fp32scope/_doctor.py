@@ -4,9 +4,8 @@ torch keeps each flag twice, in the legacy API and in the per-backend ``fp32_pre
 API (torch >= 2.9). Writes through one API do not always update the other, and the two can
 then disagree: a legacy getter raises, or (worse) answers a stale value without raising.
 The doctor reads every flag, names each disagreement, and says how to make the state
-consistent again. It also finds out whether compiling with Dynamo turns a "medium" precision
-into "high" on this torch (2.4 to 2.8 do) by compiling one tiny probe function; that is the
-only time it writes flags, and it restores them exactly.
+consistent again. It also says whether compiling with Dynamo turns a "medium" precision
+into "high" on this torch (2.4 to 2.8 do). It writes no flag.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import sys
 import torch
 
 from fp32scope import _flags
+from fp32scope._compat import cpu_capability
 from fp32scope._dynamo_exclude import dynamo_resets_medium
 
 __all__ = ["DESCRIPTION", "EPILOG", "CudaDevice", "Diagnosis", "Problem", "add_arguments", "diagnose", "render", "run"]
@@ -199,9 +199,6 @@ def _cuda_devices() -> tuple[CudaDevice, ...]:
     return tuple(devices)
 
 
-def _cpu_capability() -> str | None:
-    getter = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
-    return str(getter()) if callable(getter) else None
 
 
 def diagnose() -> Diagnosis:
@@ -220,7 +217,7 @@ def diagnose() -> Diagnosis:
         effective=effective._asdict(),
         cuda_available=torch.cuda.is_available(),
         cuda_devices=_cuda_devices(),
-        cpu_capability=_cpu_capability(),
+        cpu_capability=cpu_capability(),
         problems=tuple(problems),
         fix=_fix(problems, str(effective.matmul), bool(effective.cudnn_allow_tf32)),
         dynamo_resets_medium=dynamo_resets_medium(),
@@ -238,7 +235,7 @@ _DYNAMO_LINES: dict[bool | None, str] = {
         "(Fp32ScopedModule(torch.compile(m), Fp32Precision('medium'))), or call "
         "fp32scope.set_process_default again after warm-up, and again after any recompile."
     ),
-    False: "torch.compile: keeps a 'medium' matmul precision while it compiles (checked by compiling a probe).",
+    False: "torch.compile: keeps a 'medium' matmul precision while it compiles.",
     None: "torch.compile: not checked (Dynamo could not compile a probe function in this process).",
 }
 
@@ -294,9 +291,8 @@ other; then a legacy getter raises, or returns a stale value without raising.
 The doctor reads every flag, names each disagreement and prints the call that
 makes the state consistent again.
 
-It also finds out whether torch.compile turns a "medium" matmul precision into
-"high" on this torch (2.4 to 2.8 do), by compiling one tiny function; that is
-the only time it changes a flag, and it puts every flag back exactly."""
+It also says whether torch.compile turns a "medium" matmul precision into
+"high" on this torch (2.4 to 2.8 do). It changes no flag."""
 
 #: The ``doctor --help`` closing lines.
 EPILOG = """\
