@@ -29,7 +29,7 @@ Reading = str | bool
 # What the legacy matmul enum makes each new-API matmul slot read when both agree.
 # "none" resolves to "none" all the way up, which torch treats as full fp32, like "ieee".
 _AGREES_CUDA: dict[str, tuple[str, ...]] = {
-    "highest": ("ieee", "none"),
+    "highest": ("ieee", "none", "bfx9"),  # bfx9 (torch >= 2.15) reads "highest" by design
     "high": ("tf32",),
     "medium": ("tf32",),
 }
@@ -174,7 +174,11 @@ def _fix(problems: list[Problem], matmul: str, cudnn: bool) -> str | None:
     m = repr(matmul) if "matmul" in fields else "None"
     c = repr(cudnn) if "cudnn" in fields else "None"
     torch_calls = []
-    if "matmul" in fields:
+    if "matmul" in fields and matmul == "bfx9":  # no legacy word: the legacy "highest", then cuBLAS bfx9
+        torch_calls.append(
+            "torch.set_float32_matmul_precision('highest') and torch.backends.cuda.matmul.fp32_precision = 'bfx9'"
+        )
+    elif "matmul" in fields:
         torch_calls.append(f"torch.set_float32_matmul_precision({matmul!r})")
     if "cudnn" in fields:
         torch_calls.append(f"torch.backends.cudnn.allow_tf32 = {cudnn!r}")
