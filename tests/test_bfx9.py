@@ -41,7 +41,7 @@ def _bfx9_default() -> None:
     torch.backends.cuda.matmul.fp32_precision = "bfx9"
 
 
-class Boom(Exception):
+class BoomError(Exception):
     pass
 
 
@@ -85,7 +85,7 @@ def test_a_highest_node_under_a_bfx9_default_computes_in_ieee() -> None:
 
 
 @needs_bfx9
-@pytest.mark.parametrize("exception", [None, Boom, KeyboardInterrupt])
+@pytest.mark.parametrize("exception", [None, BoomError, KeyboardInterrupt])
 def test_nested_scopes_over_bfx9_restore_each_level_exactly(exception: type[BaseException] | None) -> None:
     torch.set_float32_matmul_precision("medium")
     _bfx9_default()  # a mixed state: the legacy getter raises
@@ -103,7 +103,7 @@ def test_nested_scopes_over_bfx9_restore_each_level_exactly(exception: type[Base
                         raise exception
                 assert _flags.save_raw_state() == states.pop()
             assert _flags.save_raw_state() == states.pop()
-    except (Boom, KeyboardInterrupt):
+    except (BoomError, KeyboardInterrupt):
         assert exception is not None
     assert _flags.save_raw_state() == states[0]
     assert _cuda() == "bfx9"
