@@ -189,7 +189,9 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
     propagates unchanged. Where the flags already hold what is asked, nothing is written.
 
     Inside the scope the flags are consistent: ``torch.get_float32_matmul_precision()``
-    equals ``precision.matmul`` and the legacy and new readings of each applied flag agree.
+    equals ``precision.matmul`` (``"highest"`` for ``"bfx9"``, which torch's legacy getter
+    cannot show; cuBLAS's ``fp32_precision`` reads it) and the legacy and new readings of
+    each applied flag agree.
 
     Refused inside a region that ``torch.compile`` is tracing, where it is made or entered:
     Dynamo gets a graph break carrying the library's message (the frame runs eagerly, or

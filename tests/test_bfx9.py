@@ -165,11 +165,11 @@ def test_declarations_wrappers_and_the_process_default_take_bfx9() -> None:
 def test_current_precision_reports_bfx9_and_the_least_precise_setting_in_mixed_states() -> None:
     _bfx9_default()
     assert current_fp32_precision().matmul == "bfx9"
-    torch.backends.mkldnn.matmul.fp32_precision = "tf32"  # the legacy getter raises now
+    torch.backends.mkldnn.matmul.fp32_precision = "tf32"  # type: ignore[attr-defined]  # the getter raises now
     assert current_fp32_precision().matmul == "high"
     torch.set_float32_matmul_precision("high")
     _bfx9_default()
-    torch.backends.mkldnn.matmul.fp32_precision = "ieee"  # E "high" with bfx9: raises too
+    torch.backends.mkldnn.matmul.fp32_precision = "ieee"  # type: ignore[attr-defined]  # E "high", bfx9: raises
     assert _flags.read_all()[_flags.LEGACY_MATMUL] == _flags.RAISES
     assert current_fp32_precision().matmul == "bfx9"
 

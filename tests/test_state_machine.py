@@ -6,7 +6,8 @@ by the library must equal the model's. On each exit the model goes back to its c
 before the entry: the scope must restore even the raw values no getter shows.
 
 The machines run on every torch release: on torch >= 2.9 over random legacy and
-``fp32_precision`` writes, on earlier releases over the legacy writes that release has
+``fp32_precision`` writes (and on torch >= 2.15 "bfx9", as a write and as a scope's
+precision), on earlier releases over the legacy writes that release has
 (``torch.backends.mkldnn.allow_tf32`` too, where it exists). On torch >= 2.9 the legacy
 implementation also runs, swapped in, over legacy writes only.
 """
