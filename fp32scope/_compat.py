@@ -136,9 +136,7 @@ def _is_exporting_without_api() -> bool:
 #: Whether torch has ``torch.compiler.is_exporting`` (not torch 2.4).
 HAS_IS_EXPORTING: Final[bool] = hasattr(torch.compiler, "is_exporting")
 #: Whether torch.export is tracing now: torch's own function, or the fallback above.
-is_exporting: Callable[[], bool] = (
-    torch.compiler.is_exporting if HAS_IS_EXPORTING else _is_exporting_without_api
-)
+is_exporting: Callable[[], bool] = torch.compiler.is_exporting if HAS_IS_EXPORTING else _is_exporting_without_api
 
 _eval_frame: Any = _C._dynamo.eval_frame
 

@@ -203,8 +203,6 @@ def _cuda_devices() -> tuple[CudaDevice, ...]:
     return tuple(devices)
 
 
-
-
 def diagnose() -> Diagnosis:
     """Read every float32 precision flag (changing none) and check that the two APIs agree."""
     from fp32scope._process import current_fp32_precision
