@@ -34,8 +34,14 @@ TORCH_VERSIONS = [os.environ.get("FP32SCOPE_TORCH", DEFAULT_TORCH)]
 
 #: The releases the package is tested on, oldest first: the floor of ``torch>=2.4`` in
 #: pyproject.toml, the last release without the per-backend fp32_precision API (2.8), the
-#: first tested one with it, the default, and the newest this machine's pip may install.
-TORCH_RELEASES = ["2.4.1", "2.8.0", "2.10.0", "2.13.0", "2.14.1"]
+#: first tested one with it, the default, the last without cuda matmul "bfx9" (2.14.1, on
+#: the CI machine's disk), and the newest (2.15.0, which brought "bfx9").
+TORCH_RELEASES = ["2.4.1", "2.8.0", "2.10.0", "2.13.0", "2.14.1", "2.15.0"]
+
+#: Releases newer than the cap the CI machine's pip configuration (/etc/xdg/pip) puts on
+#: torch (torch<=2.14.1, the builds on its disk): their installs run with PIP_CONSTRAINT
+#: set to /dev/null, which lifts that constraint file for those pip commands only.
+PAST_PIP_CAP = {"2.15.0"}
 
 #: The Pythons the package supports and is tested on (the classifiers in pyproject.toml).
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
@@ -43,9 +49,11 @@ PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 
 def install(session: nox.Session, torch: str, *extras: str) -> None:
     """Install the pinned torch first, then this package (editable) with ``extras``."""
-    session.install(f"torch=={torch}")
+    # Both commands: under the cap, installing the package would take torch back down to 2.14.1.
+    env = {"PIP_CONSTRAINT": "/dev/null"} if torch in PAST_PIP_CAP else None
+    session.install(f"torch=={torch}", env=env)
     target = f".[{','.join(extras)}]" if extras else "."
-    session.install("-e", target)
+    session.install("-e", target, env=env)
 
 
 @nox.session

@@ -14,16 +14,14 @@ import threading
 
 import torch
 
+from fp32scope._compat import ENGINE_RUN_BACKWARD
+
 __all__ = ["runs_backward_for"]
 
 _graph_task_id = torch._C._current_graph_task_id
 
-try:  # torch >= 2.4: every backward()/grad() call blocks in this frame while the engine runs
-    from torch.autograd.graph import _engine_run_backward
-except ImportError:  # pragma: no cover  (a torch that renames it: never borrow, always refuse)
-    _ENGINE_CODE = None
-else:
-    _ENGINE_CODE = _engine_run_backward.__code__
+# Every backward()/grad() call blocks in this function's frame while the engine runs.
+_ENGINE_CODE = None if ENGINE_RUN_BACKWARD is None else ENGINE_RUN_BACKWARD.__code__
 
 
 def runs_backward_for(owner: int) -> bool:

@@ -40,6 +40,7 @@ import torch
 from torch.utils import _pytree
 
 from fp32scope import _dynamo_exclude
+from fp32scope._compat import ENGINE_RUN_BACKWARD
 from fp32scope._errors import Fp32BackwardNotScopedWarning, Fp32ScopeError
 from fp32scope._scope import fp32_precision_scope, wrapper_scope
 
@@ -55,11 +56,8 @@ _LEAF_SEQ = 2**64 - 1
 _empty = torch.empty
 _functorch_level = torch._C._functorch.maybe_current_level
 
-_run_engine: Callable[..., Any] | None
-try:  # torch >= 2.4: the engine call behind torch.autograd.grad, without its argument checks
-    from torch.autograd.graph import _engine_run_backward as _run_engine
-except ImportError:  # pragma: no cover  (a torch that renames it: the public, slower path)
-    _run_engine = None
+# The engine call behind torch.autograd.grad, without its argument checks (None: the public path).
+_run_engine: Callable[..., Any] | None = ENGINE_RUN_BACKWARD
 
 
 def _grad(

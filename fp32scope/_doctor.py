@@ -4,9 +4,8 @@ torch keeps each flag twice, in the legacy API and in the per-backend ``fp32_pre
 API (torch >= 2.9). Writes through one API do not always update the other, and the two can
 then disagree: a legacy getter raises, or (worse) answers a stale value without raising.
 The doctor reads every flag, names each disagreement, and says how to make the state
-consistent again. It also finds out whether compiling with Dynamo turns a "medium" precision
-into "high" on this torch (2.4 to 2.8 do) by compiling one tiny probe function; that is the
-only time it writes flags, and it restores them exactly.
+consistent again. It also says whether compiling with Dynamo turns a "medium" precision
+into "high" on this torch (2.4 to 2.8 do). It writes no flag.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import sys
 import torch
 
 from fp32scope import _flags
+from fp32scope._compat import cpu_capability
 from fp32scope._dynamo_exclude import dynamo_resets_medium
 
 __all__ = ["DESCRIPTION", "EPILOG", "CudaDevice", "Diagnosis", "Problem", "add_arguments", "diagnose", "render", "run"]
@@ -29,7 +29,7 @@ Reading = str | bool
 # What the legacy matmul enum makes each new-API matmul slot read when both agree.
 # "none" resolves to "none" all the way up, which torch treats as full fp32, like "ieee".
 _AGREES_CUDA: dict[str, tuple[str, ...]] = {
-    "highest": ("ieee", "none"),
+    "highest": ("ieee", "none", "bfx9"),  # bfx9 (torch >= 2.15) reads "highest" by design
     "high": ("tf32",),
     "medium": ("tf32",),
 }
@@ -174,7 +174,11 @@ def _fix(problems: list[Problem], matmul: str, cudnn: bool) -> str | None:
     m = repr(matmul) if "matmul" in fields else "None"
     c = repr(cudnn) if "cudnn" in fields else "None"
     torch_calls = []
-    if "matmul" in fields:
+    if "matmul" in fields and matmul == "bfx9":  # no legacy word: the legacy "highest", then cuBLAS bfx9
+        torch_calls.append(
+            "torch.set_float32_matmul_precision('highest') and torch.backends.cuda.matmul.fp32_precision = 'bfx9'"
+        )
+    elif "matmul" in fields:
         torch_calls.append(f"torch.set_float32_matmul_precision({matmul!r})")
     if "cudnn" in fields:
         torch_calls.append(f"torch.backends.cudnn.allow_tf32 = {cudnn!r}")
@@ -199,11 +203,6 @@ def _cuda_devices() -> tuple[CudaDevice, ...]:
     return tuple(devices)
 
 
-def _cpu_capability() -> str | None:
-    getter = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
-    return str(getter()) if callable(getter) else None
-
-
 def diagnose() -> Diagnosis:
     """Read every float32 precision flag (changing none) and check that the two APIs agree."""
     from fp32scope._process import current_fp32_precision
@@ -220,7 +219,7 @@ def diagnose() -> Diagnosis:
         effective=effective._asdict(),
         cuda_available=torch.cuda.is_available(),
         cuda_devices=_cuda_devices(),
-        cpu_capability=_cpu_capability(),
+        cpu_capability=cpu_capability(),
         problems=tuple(problems),
         fix=_fix(problems, str(effective.matmul), bool(effective.cudnn_allow_tf32)),
         dynamo_resets_medium=dynamo_resets_medium(),
@@ -238,7 +237,7 @@ _DYNAMO_LINES: dict[bool | None, str] = {
         "(Fp32ScopedModule(torch.compile(m), Fp32Precision('medium'))), or call "
         "fp32scope.set_process_default again after warm-up, and again after any recompile."
     ),
-    False: "torch.compile: keeps a 'medium' matmul precision while it compiles (checked by compiling a probe).",
+    False: "torch.compile: keeps a 'medium' matmul precision while it compiles.",
     None: "torch.compile: not checked (Dynamo could not compile a probe function in this process).",
 }
 
@@ -294,9 +293,8 @@ other; then a legacy getter raises, or returns a stale value without raising.
 The doctor reads every flag, names each disagreement and prints the call that
 makes the state consistent again.
 
-It also finds out whether torch.compile turns a "medium" matmul precision into
-"high" on this torch (2.4 to 2.8 do), by compiling one tiny function; that is
-the only time it changes a flag, and it puts every flag back exactly."""
+It also says whether torch.compile turns a "medium" matmul precision into
+"high" on this torch (2.4 to 2.8 do). It changes no flag."""
 
 #: The ``doctor --help`` closing lines.
 EPILOG = """\

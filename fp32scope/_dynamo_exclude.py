@@ -14,16 +14,16 @@ the extra wrapper function that costs a Python call on every eager call:
 
 Marking imports Dynamo (about a second), so it happens once, on the first wrapper built.
 
-The module also answers, by trying it, one question about what Dynamo does to the flags:
-:func:`dynamo_resets_medium`.
+The module also says what Dynamo does to a "medium" precision: :func:`dynamo_resets_medium`.
 """
 
 from __future__ import annotations
 
-import itertools
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from fp32scope._compat import DYNAMO_RESETS_MEDIUM
 
 __all__ = ["dynamo_resets_medium", "ensure", "exclude", "mark_function"]
 
@@ -88,47 +88,13 @@ def ensure() -> None:
 
 # -- what Dynamo does to the flags ------------------------------------------------------
 
-_resets_medium: list[bool | None] = []
-_probe_names = itertools.count()
-
-
-def _probe_body(x: Any) -> Any:
-    return x + 1
-
 
 def dynamo_resets_medium() -> bool | None:
     """Whether compiling a frame with Dynamo turns the precision "medium" into "high".
 
     torch 2.4 to 2.8 do (Dynamo writes the cuBLAS TF32 bool back after each frame it
     converts, through the legacy setter, which writes "high" for True); torch 2.10 and later
-    do not. Found out by trying it once per process: one tiny function compiled with the
-    eager backend while "medium" holds (imports Dynamo, about a second the first time); the
-    flags are restored exactly afterwards. None when the probe cannot compile (Dynamo
-    disabled or unsupported here). Call it outside scopes and compiled regions only.
+    do not. The fact is :data:`fp32scope._compat.DYNAMO_RESETS_MEDIUM` (the scopes act on
+    the same one); a function for the doctor and the demo, which report it.
     """
-    if not _resets_medium:
-        _resets_medium.append(_probe())
-    return _resets_medium[0]
-
-
-def _probe() -> bool | None:
-    import torch
-
-    from fp32scope import _flags
-
-    saved = _flags.save_raw_state()
-    try:
-        torch.set_float32_matmul_precision("medium")  # the legacy setter: consistent on every torch
-        # A fresh code object, so that Dynamo converts it whatever its caches hold.
-        code = _probe_body.__code__.replace(co_name=f"fp32scope_probe_{next(_probe_names)}")
-        fresh = types.FunctionType(code, _probe_body.__globals__)
-        torch.compile(fresh, backend="eager")(torch.zeros(1))
-        try:
-            after = torch._C._get_float32_matmul_precision()
-        except RuntimeError:  # a mixed legacy/new state: changed too
-            return True
-        return bool(after != "medium")
-    except Exception:  # noqa: BLE001  (no Dynamo here, or it failed: the answer is unknown)
-        return None
-    finally:
-        _flags.restore_raw_state(saved)
+    return DYNAMO_RESETS_MEDIUM

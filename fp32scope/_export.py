@@ -17,6 +17,7 @@ import torch
 import wrapt
 
 from fp32scope import _dynamo_exclude
+from fp32scope._compat import TORCH_RELEASE, aoti_packaging_missing
 from fp32scope._precision import Fp32Precision, check_precision
 from fp32scope._proxy import Fp32ScopedModule
 from fp32scope._record import (
@@ -58,28 +59,9 @@ class _Recorded:
 RECORDED: Final = _Recorded()
 
 
-def _torch_release() -> str:
-    return str(torch.__version__).split("+", 1)[0]
-
-
 def _aoti_missing() -> str | None:
     """Why this torch cannot compile a package with a record, or None when it can."""
-    inductor = _inductor()
-    if not hasattr(inductor, "aoti_compile_and_package") or not hasattr(inductor, "aoti_load_package"):
-        return (
-            f"torch {_torch_release()} has no torch._inductor.aoti_compile_and_package / aoti_load_package "
-            "(AOTInductor packages need torch >= 2.6)"
-        )
-    parameters = list(inspect.signature(inductor.aoti_compile_and_package).parameters.values())[1:]
-    if any(p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD for p in parameters):
-        return (
-            f"torch {_torch_release()}'s torch._inductor.aoti_compile_and_package takes the example inputs "
-            "as arguments (torch 2.5); fp32scope uses the form that reads them from the exported program "
-            "(torch >= 2.6)"
-        )
-    if not hasattr(inductor.config.aot_inductor, "metadata"):
-        return f"torch {_torch_release()}'s AOTInductor has no aot_inductor.metadata to record the precision in"
-    return None
+    return aoti_packaging_missing(_inductor())
 
 
 def _inductor() -> Any:
@@ -271,7 +253,7 @@ def _torch_load_kwargs(torch_kwargs: dict[str, Any]) -> None:
     for name in torch_kwargs:
         if name not in allowed:
             msg = (
-                f"aoti_load_package got the keyword {name!r}, which torch {_torch_release()}'s "
+                f"aoti_load_package got the keyword {name!r}, which torch {TORCH_RELEASE}'s "
                 f"torch._inductor.aoti_load_package does not take; it takes {', '.join(map(repr, allowed))}."
             )
             raise TypeError(msg)

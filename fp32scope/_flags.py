@@ -6,7 +6,9 @@ torch keeps this state in C++ (``at::Context``):
 * the legacy cuDNN bool B,
 * since torch 2.9, nine ``fp32_precision`` slots, one per (backend, op), each holding
   ``"none"`` (inherit from the parent: op -> backend/all -> generic/all), ``"ieee"``,
-  ``"tf32"`` or ``"bf16"``.
+  ``"tf32"`` or ``"bf16"``, and since torch 2.15 ``"bfx9"`` in cuda/matmul only (cuBLAS
+  float32 emulated with nine bf16 products; the legacy getters read it as "highest" and
+  cuBLAS TF32 off, so that only the slot itself tells it from IEEE).
 
 No getter shows a slot's raw value (getters resolve inheritance) or E and B directly
 (the legacy getters raise when they disagree with the slots). This module recovers the
@@ -25,6 +27,8 @@ from typing import Final
 
 import torch
 
+from fp32scope._compat import HAS_BFX9, HAS_PER_BACKEND_API
+
 __all__ = [
     "HAS_NEW_API",
     "RAISES",
@@ -41,21 +45,11 @@ __all__ = [
 _C = torch._C
 
 
-def _has_new_api() -> bool:
-    # Detected by presence, not by version, so that backports and nightlies are handled as
-    # they are. torch 2.7 and 2.8 shipped an earlier form of the same getters whose slots
-    # read "default" (no "none"/"ieee" vocabulary); fp32scope uses the legacy API there.
-    if not (hasattr(_C, "_get_fp32_precision_getter") and hasattr(_C, "_set_fp32_precision_setter")):
-        return False
-    try:
-        readings = [_C._get_fp32_precision_getter(b, o) for b, o in (("generic", "all"), ("cuda", "matmul"))]
-    except RuntimeError:
-        return False
-    return all(r in {"none", "ieee", "tf32", "bf16"} for r in readings)
-
-
-#: True when torch has the per-backend ``fp32_precision`` API in its torch >= 2.9 form.
-HAS_NEW_API: Final[bool] = _has_new_api()
+#: True when torch has the per-backend ``fp32_precision`` API in its torch >= 2.9 form
+#: (:data:`fp32scope._compat.HAS_PER_BACKEND_API`, under the name the package grew with).
+HAS_NEW_API: Final[bool] = HAS_PER_BACKEND_API
+# Bound once for the hot path: whether a cuda/matmul reading can be "bfx9".
+_BFX9: Final[bool] = HAS_BFX9
 
 #: The value a reading takes in :func:`read_all` when torch's getter raises (mixed state).
 RAISES: Final[str] = "<raises: mixed legacy/new API state>"
@@ -100,7 +94,9 @@ SLOT_NAMES: Final[dict[tuple[str, str], str]] = {(b, o): n for b, o, n in SLOTS}
 SM_WRITES_CUDA: Final[dict[str, str]] = {"highest": "ieee", "high": "tf32", "medium": "tf32"}
 SM_WRITES_MKLDNN: Final[dict[str, str]] = {"highest": "ieee", "high": "tf32", "medium": "bf16"}
 
-# A value that reads differently from the key, valid on every backend, for probing.
+# A value that reads differently from the key, valid on every backend, for probing. Only
+# parents (generic/all, <backend>/all) are moved to probe, and they never read "bfx9" (it is
+# valid in cuda/matmul only), so "bfx9" is neither a key nor a value here.
 _OTHER: Final[dict[str, str]] = {"ieee": "tf32", "tf32": "ieee", "bf16": "ieee", "none": "ieee"}
 
 
@@ -213,34 +209,25 @@ if HAS_NEW_API:
     # The hot path: each function reads every value once, probes only where the readings
     # leave a raw value open, and writes only what differs.
 
-    def _matmul_held(target: str) -> bool:
-        # The definition of "held" for the matmul field; apply and restore inline it.
-        # Every slot the field governs resolves to what torch's legacy setter writes for
-        # ``target`` (cuda/matmul and mkldnn/matmul), and the legacy getter says ``target``.
-        # A slot resolving to "none" computes exactly as "ieee" (torch's kernels only ask
-        # "tf32?" / "bf16?"), so for "highest" the getter not raising is enough: it raises
-        # whenever either slot resolves to tf32 or bf16 there. For "high" and "medium" it
-        # rules out only the other reduced type on oneDNN: oneDNN may still resolve to
-        # "ieee"/"none" (full fp32 while every legacy reading says otherwise), so its
-        # slot is read. The cuBLAS getter answers without raising exactly when cuda/matmul
-        # resolves to tf32 (and is cheaper than the string getter).
-        try:
-            return _GM() == target and (
-                target == "highest" or (_GBLAS() is True and _G("mkldnn", "matmul") == SM_WRITES_MKLDNN[target])
-            )
-        except RuntimeError:
-            return False
-
     def apply(t: str | None, b: bool | None) -> Token:  # noqa: C901, PLR0912, PLR0915  (hot path: one flat function on purpose)
         """Apply the fields that are not None; returns the token :func:`restore` takes.
 
         A field that already holds is not written (and nothing of it is saved). "Holds"
         means that every slot the field governs resolves to what torch's legacy setter
         writes for the value, and the legacy getter shows the value without raising: for
-        the matmul field, ``get_float32_matmul_precision()`` returns ``t``, cuda/matmul
-        resolves to tf32 exactly for "high" and "medium", and mkldnn/matmul resolves to
-        tf32 for "high", bf16 for "medium" and neither for "highest" (a slot resolving to
-        "none" computes as "ieee"); for cuDNN, ``torch.backends.cudnn.allow_tf32`` reads
+        the matmul field, ``get_float32_matmul_precision()`` returns ``t`` ("highest" for
+        "bfx9"), cuda/matmul resolves to tf32 exactly for "high" and "medium" and to bfx9
+        exactly for "bfx9", and mkldnn/matmul resolves to tf32 for "high", bf16 for
+        "medium" and neither for "highest" and "bfx9" (a slot resolving to "none" computes
+        as "ieee"). This is the one definition of "held" for the matmul field; apply and
+        restore each inline it. For "highest" and "bfx9" the getter not raising rules out
+        tf32 and bf16 in both slots (it raises whenever either resolves to one of them
+        while it says "highest"), so only cuda/matmul's bfx9 is read (it reads "highest"
+        under bfx9). For "high" and "medium" the getter rules out only the other reduced
+        type on oneDNN, so mkldnn/matmul is read; the cuBLAS getter answers True without
+        raising exactly when cuda/matmul resolves to tf32 (and is cheaper than the string
+        getter). "bfx9" is written as the legacy setter's "highest" (full float32 on
+        oneDNN), then cuda/matmul "bfx9". For cuDNN, ``torch.backends.cudnn.allow_tf32`` reads
         ``b`` without raising (so conv and rnn both resolve to tf32 exactly when ``b``)
         and, for False, cudnn.fp32_precision does not read "tf32". :func:`restore` checks
         the same definition on exit. Otherwise the exact raw state is saved first: E, B and
@@ -260,12 +247,17 @@ if HAS_NEW_API:
                 e: str | None = _GM()
             except RuntimeError:
                 e = None
-            held = e == t  # _matmul_held, inline: e is needed below
-            if held and t != "highest":
-                try:
-                    held = _GBLAS() is True and _G("mkldnn", "matmul") == SM_WRITES_MKLDNN[t]
-                except RuntimeError:
-                    held = False
+            if t == "highest":
+                held = e == t and (not _BFX9 or _G("cuda", "matmul") != "bfx9")
+            elif t == "bfx9":
+                held = e == "highest" and _G("cuda", "matmul") == "bfx9"
+            else:
+                held = e == t
+                if held:
+                    try:
+                        held = _GBLAS() is True and _G("mkldnn", "matmul") == SM_WRITES_MKLDNN[t]
+                    except RuntimeError:
+                        held = False
             if not held:
                 r = _G("cuda", "matmul")
                 if r == "none":
@@ -277,7 +269,11 @@ if HAS_NEW_API:
                 mkldnn_raw = r if r == "none" or r != _G("mkldnn", "all") else raw_op("mkldnn", "matmul")
                 if e is None:
                     e = legacy_matmul(cuda_raw, mkldnn_raw)
-                _SM(t)
+                if t == "bfx9":
+                    _SM("highest")
+                    _S("cuda", "matmul", "bfx9")
+                else:
+                    _SM(t)
                 sm = (e, cuda_raw, mkldnn_raw)
         if b is None:
             return (t, b, sm, None)
@@ -321,7 +317,7 @@ if HAS_NEW_API:
             raise
         return (t, b, sm, (cur, conv_raw, rnn_raw, all_raw, matmul_raw))
 
-    def restore(token: Token) -> str | None:  # noqa: C901, PLR0912  (hot path: inlined on purpose)
+    def restore(token: Token) -> str | None:  # noqa: C901, PLR0912, PLR0915  (hot path: inlined on purpose)
         """Undo what :func:`apply` did; say what the block changed, if it changed what was applied.
 
         Restores in the reverse order of :func:`apply`. Where a field was already held
@@ -360,10 +356,13 @@ if HAS_NEW_API:
                     if _G("cuda", "all") == "tf32":
                         _S("cuda", "all", "ieee")
         if t is not None:
-            try:  # _matmul_held, inline: the exit check uses the entry's definition
-                ok = _GM() == t and (
-                    t == "highest" or (_GBLAS() is True and _G("mkldnn", "matmul") == SM_WRITES_MKLDNN[t])
-                )
+            try:  # "held" as apply defines it: the exit check uses the entry's definition
+                if t == "highest":
+                    ok = _GM() == t and (not _BFX9 or _G("cuda", "matmul") != "bfx9")
+                elif t == "bfx9":
+                    ok = _GM() == "highest" and _G("cuda", "matmul") == "bfx9"
+                else:
+                    ok = _GM() == t and _GBLAS() is True and _G("mkldnn", "matmul") == SM_WRITES_MKLDNN[t]
             except RuntimeError:
                 ok = False
             if not ok:
@@ -377,7 +376,9 @@ if HAS_NEW_API:
                 if mkldnn_raw != SM_WRITES_MKLDNN[e]:
                     _S("mkldnn", "matmul", mkldnn_raw)
             elif not ok:
-                _SM(t)
+                _SM("highest" if t == "bfx9" else t)
+                if t == "bfx9":
+                    _S("cuda", "matmul", "bfx9")
         return note
 
     # -- whole state ----------------------------------------------------------------------

@@ -26,7 +26,8 @@ def node_fp32_precision(node_name: str, submodule: object) -> Fp32Precision | No
     """The precision that ``submodule`` declares, checked, or None if it declares none.
 
     A module declares its precision with the class or instance attributes
-    ``float32_matmul_precision`` (``"highest"``, ``"high"`` or ``"medium"``) and
+    ``float32_matmul_precision`` (``"highest"``, ``"high"`` or ``"medium"``, or from torch
+    2.15 ``"bfx9"``) and
     ``cudnn_allow_tf32`` (a bool); a missing attribute counts as None. A
     ``torch.compile``'d module is read through to the module it wraps. An engine calls this
     when it loads a node, so that a bad declaration fails at load time; the error names

@@ -4,20 +4,29 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-__all__ = ["MATMUL_PRECISIONS", "Fp32Precision", "MatmulPrecision", "check_backward", "check_precision"]
+from fp32scope._compat import BFX9_RELEASE, HAS_BFX9, TORCH_RELEASE
 
-MatmulPrecision = Literal["highest", "high", "medium"]
+__all__ = ["MATMUL_PRECISIONS", "MATMUL_WORDS", "Fp32Precision", "MatmulPrecision", "check_backward", "check_precision"]
 
-#: The values ``Fp32Precision.matmul`` accepts, in torch's own vocabulary.
-MATMUL_PRECISIONS: tuple[str, ...] = ("highest", "high", "medium")
+MatmulPrecision = Literal["highest", "high", "medium", "bfx9"]
+
+#: Every value ``Fp32Precision.matmul`` knows: torch's legacy words, and "bfx9" (torch >= 2.15).
+MATMUL_WORDS: tuple[str, ...] = ("highest", "high", "medium", "bfx9")
+#: The values ``Fp32Precision.matmul`` accepts on the installed torch, in torch's own vocabulary.
+MATMUL_PRECISIONS: tuple[str, ...] = MATMUL_WORDS if HAS_BFX9 else MATMUL_WORDS[:3]
 
 
 class Fp32Precision(NamedTuple):
     """A float32 math precision for a region of code: one value per process-wide flag.
 
     ``matmul`` is torch's float32 matmul precision (``"highest"``, ``"high"`` or
-    ``"medium"``, as for :func:`torch.set_float32_matmul_precision`);
-    ``cudnn_allow_tf32`` says whether cuDNN convolutions and RNNs may use TF32. A field
+    ``"medium"``, as for :func:`torch.set_float32_matmul_precision`), or, from torch
+    2.15, ``"bfx9"``: cuBLAS float32 matmuls emulated with nine bfloat16 products
+    (``torch.backends.cuda.matmul.fp32_precision = "bfx9"``), nearly as accurate as float32
+    but not IEEE float32, and faster on compute-bound GEMMs on Blackwell GPUs (small or
+    skinny shapes may be slower); oneDNN (CPU) matmuls run in full float32 under it, and
+    torch's legacy getter reads it as ``"highest"``. ``"bfx9"`` on an older torch is a
+    :class:`ValueError`. ``cudnn_allow_tf32`` says whether cuDNN convolutions and RNNs may use TF32. A field
     that is None leaves the process value of that flag as it is.
 
     Construction does not check the values (it is a plain :class:`~typing.NamedTuple`);
@@ -51,6 +60,7 @@ _MATMUL_SYNONYMS: dict[str, str] = {
     "tensorfloat32": "high",
     "bf16": "medium",
     "bfloat16": "medium",
+    "bf16x9": "bfx9",
 }
 # The same words for ``cudnn_allow_tf32``, a bool.
 _CUDNN_SYNONYMS: dict[str, bool] = {"tf32": True, "ieee": False, "fp32": False, "float32": False}
@@ -63,6 +73,8 @@ def _matmul_hint(value: str) -> str:
     if lower == "none":
         return " (to leave the flag as it is, pass None, not the string 'none')"
     meant = _MATMUL_SYNONYMS.get(lower.replace("-", "").replace("_", ""))
+    if meant == "bfx9":
+        return f" (torch's word for {value!r} is 'bfx9')"
     if meant is not None:
         return (
             f" (Fp32Precision uses the words of torch.set_float32_matmul_precision, not those of the "
@@ -75,8 +87,20 @@ def _where(node: str | None) -> str:
     return f" of node {node!r}" if node is not None else ""
 
 
+def _no_bfx9(field: str, node: str | None) -> ValueError:
+    msg = (
+        f"{field}{_where(node)} is 'bfx9' (cuBLAS float32 emulated with nine bf16 products), which torch "
+        f"{TORCH_RELEASE} does not have: it came in torch {BFX9_RELEASE}. Upgrade torch, or use 'highest' "
+        "for full float32."
+    )
+    return ValueError(msg)
+
+
 def check_matmul(value: object, *, field: str, node: str | None = None) -> MatmulPrecision | None:
-    """Return ``value`` if it is a valid matmul precision or None, else raise naming ``field``."""
+    """Return ``value`` if it is a valid matmul precision or None, else raise naming ``field``.
+
+    "bfx9" on a torch without it raises a :class:`ValueError` naming the release that brings it.
+    """
     if value is None:
         return None
     if not isinstance(value, str):
@@ -86,6 +110,8 @@ def check_matmul(value: object, *, field: str, node: str | None = None) -> Matmu
         )
         raise TypeError(msg)
     if value not in MATMUL_PRECISIONS:
+        if value == "bfx9":
+            raise _no_bfx9(field, node)
         msg = (
             f"{field}{_where(node)} must be one of {', '.join(map(repr, MATMUL_PRECISIONS))} "
             f"or None; got {value!r}{_matmul_hint(value)}."

@@ -23,9 +23,13 @@ def set_process_default(precision: Fp32Precision | None) -> None:
 
     Raises :class:`~fp32scope.Fp32ScopeError` while any scope is active on any thread: the
     new default would replace a node's precision in the middle of its forward, and that
-    scope's exit would then undo the default. Invalid input raises before anything changes.
+    scope's exit would then undo the default; so does None (or a precision with both fields
+    None), which outside a scope changes nothing. Invalid input raises before anything
+    changes. ``Fp32Precision("bfx9")`` sets cuBLAS matmuls to bfx9 and oneDNN matmuls to
+    full float32 (torch >= 2.15).
     """
     fields = split(precision)
+    # Refused before the no-op case returns: a call inside a scope is a mistake whatever it asks.
     owner = active_scope_thread()
     if owner == threading.get_ident():
         raise Fp32ScopeError(_INSIDE_A_SCOPE)
@@ -45,11 +49,15 @@ _INSIDE_A_SCOPE = (
 
 
 def _effective_matmul(cuda: str, mkldnn: str) -> MatmulPrecision:
-    # The least precise setting any backend uses: "highest" only when none reduces.
+    # The least precise setting any backend uses, least precise first: bf16 (oneDNN only),
+    # then tf32 (either), then bfx9 (cuBLAS only); "highest" only when none reduces. The
+    # order matters where the legacy "medium" write left cuBLAS at tf32 and oneDNN at bf16.
     if mkldnn == "bf16":
         return "medium"
     if cuda == "tf32" or mkldnn == "tf32":
         return "high"
+    if cuda == "bfx9":
+        return "bfx9"
     return "highest"
 
 
@@ -57,11 +65,14 @@ def current_fp32_precision() -> Fp32Precision:
     """The process's float32 precision as an ``Fp32Precision``; never raises.
 
     In a consistent state (no legacy getter raises) it is what
-    ``torch.get_float32_matmul_precision()`` and ``torch.backends.cudnn.allow_tf32`` say.
+    ``torch.get_float32_matmul_precision()`` and ``torch.backends.cudnn.allow_tf32`` say,
+    except that ``matmul`` is ``"bfx9"`` where cuBLAS matmuls use it (torch >= 2.15; the
+    legacy getter reads "highest" there).
     In a mixed state, where the legacy and new APIs disagree and no single value describes
     the process, each field reports the least precise setting any backend is using, from the
     new API's readings: ``matmul`` is ``"medium"`` if oneDNN matmuls use bf16, else
-    ``"high"`` if cuBLAS or oneDNN matmuls use TF32, else ``"highest"``; ``cudnn_allow_tf32``
+    ``"high"`` if cuBLAS or oneDNN matmuls use TF32, else ``"bfx9"`` if cuBLAS matmuls use
+    bfx9, else ``"highest"``; ``cudnn_allow_tf32``
     is True if cuDNN convolutions or RNNs use TF32. ``python -m fp32scope doctor`` shows the
     readings behind it and how to make the state consistent.
     """
@@ -71,6 +82,8 @@ def current_fp32_precision() -> Fp32Precision:
     matmul: MatmulPrecision
     if _flags.RAISES not in (legacy_matmul, cublas):
         matmul = legacy_matmul  # type: ignore[assignment]
+        if matmul == "highest" and _flags.HAS_NEW_API and readings[_flags.SLOT_NAMES["cuda", "matmul"]] == "bfx9":
+            matmul = "bfx9"
     else:
         matmul = _effective_matmul(
             str(readings[_flags.SLOT_NAMES["cuda", "matmul"]]),

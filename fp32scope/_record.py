@@ -4,7 +4,7 @@ The same record goes into an AOTInductor package's metadata (``aot_inductor.meta
 which takes strings only, and which a C++ engine reads with
 ``AOTIModelPackageLoader::get_metadata()``) and, as JSON, into an extra file of a saved
 ``ExportedProgram``. Its values are the fields of :class:`~fp32scope.Fp32Precision` written
-as Python writes them (``"highest"``, ``"True"``, ``"None"``), so that a reader in any
+as Python writes them (``"highest"``, ``"bfx9"``, ``"True"``, ``"None"``), so that a reader in any
 language can compare them with fixed strings.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from fp32scope._precision import MATMUL_PRECISIONS, Fp32Precision, MatmulPrecision
+from fp32scope._precision import MATMUL_WORDS, Fp32Precision, MatmulPrecision, check_matmul
 
 __all__ = [
     "CUDNN_KEY",
@@ -59,7 +59,8 @@ def read_record(metadata: Mapping[str, str], where: str) -> Fp32Precision | None
     """The precision recorded in ``metadata``, or None when it holds no fp32scope key.
 
     A record with a missing key, an unknown version or a value outside the vocabulary
-    raises :class:`ValueError` naming ``where``, the key and the value.
+    raises :class:`ValueError` naming ``where``, the key and the value; so does a record of
+    "bfx9" on a torch without it (naming the release that brings it).
     """
     if not any(key.startswith(RESERVED_PREFIX) for key in metadata):
         return None
@@ -75,7 +76,7 @@ def read_record(metadata: Mapping[str, str], where: str) -> Fp32Precision | None
         )
         raise ValueError(msg)
     matmul_text, cudnn_text = metadata[MATMUL_KEY], metadata[CUDNN_KEY]
-    allowed = (*MATMUL_PRECISIONS, "None")
+    allowed = (*MATMUL_WORDS, "None")
     if matmul_text not in allowed:
         msg = (
             f"The fp32scope precision record in {where} has {MATMUL_KEY}={matmul_text!r}; "
@@ -88,7 +89,9 @@ def read_record(metadata: Mapping[str, str], where: str) -> Fp32Precision | None
             f"expected one of {', '.join(map(repr, _CUDNN_VALUES))}."
         )
         raise ValueError(msg)
-    matmul: MatmulPrecision | None = None if matmul_text == "None" else matmul_text  # type: ignore[assignment]
+    matmul: MatmulPrecision | None = None
+    if matmul_text != "None":
+        matmul = check_matmul(matmul_text, field=f"the {MATMUL_KEY} recorded in {where}")
     return Fp32Precision(matmul, _CUDNN_VALUES[cudnn_text])
 
 

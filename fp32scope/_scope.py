@@ -12,6 +12,7 @@ import torch
 
 from fp32scope import _dynamo_exclude, _flags
 from fp32scope._autograd_threads import runs_backward_for
+from fp32scope._compat import DYNAMO_RESETS_MEDIUM, DYNAMO_TRACES_SCOPES_MADE_INSIDE, is_exporting
 from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
 from fp32scope._precision import MATMUL_PRECISIONS, Fp32Precision, check_precision
 
@@ -64,21 +65,7 @@ _EXPORTING_MSG: Final = (
 )
 
 
-def _is_exporting_without_api() -> bool:
-    # torch 2.4 has no is_exporting(); there only torch.export sets this flag (is_compiling()
-    # reads it outside Dynamo, which folds is_compiling() itself).
-    return bool(getattr(torch.compiler, "_is_compiling_flag", False))
-
-
-_is_exporting = getattr(torch.compiler, "is_exporting", _is_exporting_without_api)
-
-
-def _torch_older_than(major: int, minor: int) -> bool:
-    # torch.__version__ is a TorchVersion (compares with tuples) on every supported torch;
-    # parsing the string keeps local builds such as "2.4.1+cu121" or "2.10.0a0" working too.
-    release = str(torch.__version__).split("+", 1)[0].split(".")
-    numbers = tuple(int("".join(ch for ch in part if ch.isdigit()) or 0) for part in release[:2])
-    return numbers < (major, minor)
+_is_exporting = is_exporting
 
 
 # Dynamo before torch 2.8 cannot enter a context manager that user code made inside the
@@ -86,15 +73,12 @@ def _torch_older_than(major: int, minor: int) -> bool:
 # reaches __enter__ and its refusal; there the scope refuses where it is made. Newer Dynamo
 # traces __enter__. Only there is the check skipped at construction: it would cost every
 # ``with fp32_precision_scope(...)`` another is_compiling() call (about 50 ns).
-_REFUSE_WHEN_MADE: Final = _torch_older_than(2, 8)
+_REFUSE_WHEN_MADE: Final = not DYNAMO_TRACES_SCOPES_MADE_INSIDE
 
-# torch without the per-backend fp32_precision API (< 2.9): Dynamo saves the cuBLAS TF32
-# bool before it converts a frame and writes it back afterwards through the legacy setter,
-# which writes "high" for True. So every frame compiled while "medium" holds leaves "high"
-# behind, also inside a scope (torch 2.4.1 and 2.8.0 observed; 2.10 restores through the
-# per-backend API and keeps "medium"). Scopes that can meet this (a matmul field of "medium",
-# or none) get _LegacyDynamoScope, which tells torch's reset from the block's own writes.
-_LEGACY_DYNAMO: Final = not _flags.HAS_NEW_API
+# Where every frame Dynamo converts leaves "high" behind a "medium" (_compat), also inside a
+# scope, scopes that can meet this (a matmul field of "medium", or none) get
+# _LegacyDynamoScope, which tells torch's reset from the block's own writes.
+_LEGACY_DYNAMO: Final = DYNAMO_RESETS_MEDIUM
 _KEPT_BY_LEGACY_SCOPE: Final = (None, "medium")
 _GM = torch._C._get_float32_matmul_precision
 _SM = torch._C._set_float32_matmul_precision
@@ -205,7 +189,9 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
     propagates unchanged. Where the flags already hold what is asked, nothing is written.
 
     Inside the scope the flags are consistent: ``torch.get_float32_matmul_precision()``
-    equals ``precision.matmul`` and the legacy and new readings of each applied flag agree.
+    equals ``precision.matmul`` (``"highest"`` for ``"bfx9"``, which torch's legacy getter
+    cannot show; cuBLAS's ``fp32_precision`` reads it) and the legacy and new readings of
+    each applied flag agree.
 
     Refused inside a region that ``torch.compile`` is tracing, where it is made or entered:
     Dynamo gets a graph break carrying the library's message (the frame runs eagerly, or

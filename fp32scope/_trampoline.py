@@ -31,26 +31,10 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from fp32scope import _dynamo_exclude
+from fp32scope._compat import active_callback
 
 __all__ = ["active_callback", "compiled_call", "new_trampoline", "trampoline_for"]
-
-_eval_frame: Any = torch._C._dynamo.eval_frame
-
-active_callback: Callable[[], object]
-if hasattr(_eval_frame, "get_eval_frame_callback"):
-    active_callback = _eval_frame.get_eval_frame_callback
-else:  # torch 2.4: only the setter, which returns the callback it replaces
-    _set_eval_frame = _eval_frame.set_eval_frame
-
-    def active_callback() -> object:
-        """Dynamo's frame callback on this thread (None or False when none compiles)."""
-        prior = _set_eval_frame(None)
-        if prior is not None:
-            _set_eval_frame(prior)
-        return prior
 
 
 def _call(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:

@@ -2,8 +2,8 @@
 
 fp32scope supports torch >= 2.4 and is tested on several releases (``nox -s tests_matrix``).
 A test that needs something a release lacks says why in its skip reason; a test of the
-legacy-only path runs on a legacy release for real. Detected by presence, as the library
-itself does (``fp32scope._flags.HAS_NEW_API``), not by parsing the version.
+legacy-only path runs on a legacy release for real. Detected as the library itself
+detects it, through :mod:`fp32scope._compat` (by presence), never by parsing the version here.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp32scope import _flags
+from fp32scope import _compat, _flags
 
 #: torch's release, e.g. "2.13.0" (without the local "+cpu" part).
-TORCH_RELEASE = torch.__version__.split("+")[0]
+TORCH_RELEASE = _compat.TORCH_RELEASE
 
 #: For tests of the per-backend ``fp32_precision`` API and the mixed states it allows.
 needs_new_api = pytest.mark.skipif(
@@ -29,6 +29,21 @@ needs_new_api = pytest.mark.skipif(
 needs_legacy_only = pytest.mark.skipif(
     _flags.HAS_NEW_API,
     reason=f"torch {TORCH_RELEASE} has the fp32_precision API: this tests releases before 2.9",
+)
+
+#: For tests of cuda matmul "bfx9" (torch >= 2.15).
+needs_bfx9 = pytest.mark.skipif(
+    not _compat.HAS_BFX9,
+    reason=(
+        f"torch {TORCH_RELEASE} has no cuda matmul fp32_precision 'bfx9' (torch >= {_compat.BFX9_RELEASE}): "
+        "no state can hold it, and Fp32Precision('bfx9') is refused (tested there)"
+    ),
+)
+
+#: For tests of what a release without "bfx9" does with it.
+needs_no_bfx9 = pytest.mark.skipif(
+    _compat.HAS_BFX9,
+    reason=f"torch {TORCH_RELEASE} has cuda matmul 'bfx9': this tests releases before {_compat.BFX9_RELEASE}",
 )
 
 

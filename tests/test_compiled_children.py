@@ -30,6 +30,7 @@ from fp32scope import (
     Fp32EagerFallbackWarning,
     Fp32Precision,
     Fp32ScopedModule,
+    _compat,
     _eager_fallback,
     _trampoline,
     fp32_precision_scope,
@@ -42,7 +43,6 @@ pytestmark = pytest.mark.compile
 
 FULL = Fp32Precision("highest", False)
 # (major, minor) of the torch under test: "2.4.1+cu121" -> (2, 4).
-TORCH = tuple(int(part) for part in str(torch.__version__).split("+")[0].split(".")[:2])
 DEFAULT = Fp32Precision("high", True)
 WIDTH = 8
 
@@ -389,7 +389,7 @@ def test_a_scope_inside_a_compiled_function_warns_once_that_it_runs_eagerly() ->
     # scope refuses where it is made) compiles the part before the scope, never the matmul.
     targets = [str(node.target) for gm in graphs.graphs for node in gm.graph.nodes]
     assert not any("matmul" in target for target in targets), targets
-    assert len(graphs.graphs) == (0 if TORCH >= (2, 8) else 1)
+    assert len(graphs.graphs) == (0 if _compat.DYNAMO_TRACES_SCOPES_MADE_INSIDE else 1)
     # Once per code location: calls and new compiles of the same code stay silent.
     torch._dynamo.reset()
     with warnings.catch_warnings():

@@ -79,6 +79,10 @@ def test_a_none_field_is_left_as_it_is() -> None:
         ),
         ([(("mkldnn", "matmul"), "bf16")], Fp32Precision("medium", True)),
         ([(("cuda", "matmul"), "tf32")], Fp32Precision("high", True)),
+        # What the legacy "medium" write makes, through the per-backend API (either order of
+        # writes): bf16 on oneDNN is less precise than tf32 on cuBLAS, so "medium".
+        ([(("cuda", "matmul"), "tf32"), (("mkldnn", "matmul"), "bf16")], Fp32Precision("medium", True)),
+        ([(("mkldnn", "matmul"), "bf16"), (("cuda", "matmul"), "tf32")], Fp32Precision("medium", True)),
         ([(("cuda", "conv"), "ieee")], Fp32Precision("highest", True)),  # rnn still tf32
         ([(("cuda", "conv"), "ieee"), (("cuda", "rnn"), "ieee")], Fp32Precision("highest", False)),
         # cudnn.allow_tf32 = False under a tf32 parent: conv and rnn still resolve to tf32.
@@ -153,6 +157,41 @@ def test_set_process_default_inside_a_scope_on_the_same_thread_says_to_call_it_o
     # Not the advice for two threads: there is only one here.
     assert "thread" not in message
     assert _flags.save_raw_state() == before
+
+
+@pytest.mark.parametrize("precision", [None, Fp32Precision(), Fp32Precision("medium")], ids=str)
+def test_set_process_default_inside_a_scope_is_refused_also_when_it_would_change_nothing(
+    precision: Fp32Precision | None,
+) -> None:
+    # A call there is a mistake whatever it asks: None and an all-None precision too.
+    torch.set_float32_matmul_precision("high")
+    with fp32_precision_scope(Fp32Precision("highest")):
+        inside = _flags.save_raw_state()
+        with pytest.raises(Fp32ScopeError, match="Cannot call set_process_default inside an fp32_precision_scope"):
+            set_process_default(precision)
+        assert _flags.save_raw_state() == inside
+
+
+@pytest.mark.parametrize("precision", [None, Fp32Precision()], ids=str)
+def test_set_process_default_of_nothing_while_another_thread_is_in_a_scope_is_refused(
+    precision: Fp32Precision | None,
+) -> None:
+    inside, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with fp32_precision_scope(Fp32Precision("highest")):
+            inside.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold, name="forward")
+    holder.start()
+    try:
+        assert inside.wait(30)
+        with pytest.raises(Fp32ScopeError, match="Cannot call set_process_default on thread"):
+            set_process_default(precision)
+    finally:
+        release.set()
+        holder.join(30)
 
 
 def test_set_process_default_inside_a_scoped_nodes_forward_gets_the_same_advice() -> None:

@@ -34,6 +34,7 @@ from fp32scope import (
     Fp32FlagsChangedWarning,
     Fp32Precision,
     Fp32ScopedModule,
+    _compat,
     _eager_fallback,
     _flags,
     fp32_precision_scope,
@@ -47,7 +48,6 @@ pytestmark = pytest.mark.compile
 
 FULL = Fp32Precision("highest", False)
 # (major, minor) of the torch under test: "2.4.1+cu121" -> (2, 4).
-TORCH = tuple(int(part) for part in str(torch.__version__).split("+")[0].split(".")[:2])
 COMPILING_MESSAGE = "cannot change torch's float32 precision flags inside a region that torch.compile is tracing"
 
 
@@ -270,7 +270,7 @@ def test_a_scope_made_outside_and_entered_in_a_fullgraph_region() -> None:
     torch.set_float32_matmul_precision("high")
     with pytest.raises(torch._dynamo.exc.Unsupported) as info:
         torch.compile(scope_made_outside, backend="eager", fullgraph=True)(torch.randn(2, 2))
-    if TORCH >= (2, 14):
+    if _compat.DYNAMO_ENTERS_SCOPES_MADE_OUTSIDE:
         # Dynamo enters the scope and so reaches its refusal.
         assert COMPILING_MESSAGE in str(info.value)
     else:
@@ -282,7 +282,7 @@ def test_a_scope_made_outside_and_entered_in_a_fullgraph_region() -> None:
         warnings.simplefilter("always", Fp32EagerFallbackWarning)
         out, seen = torch.compile(scope_made_outside, backend="eager")(torch.eye(2))
     # Only a Dynamo that enters the scope reaches the refusal, and so the warning.
-    assert any(w.category is Fp32EagerFallbackWarning for w in caught) is (TORCH >= (2, 14))
+    assert any(w.category is Fp32EagerFallbackWarning for w in caught) is _compat.DYNAMO_ENTERS_SCOPES_MADE_OUTSIDE
     torch.testing.assert_close(out, torch.eye(2))
     assert seen == "highest"
     assert torch.get_float32_matmul_precision() == "high"
@@ -310,7 +310,7 @@ def test_a_wrapper_in_a_fullgraph_region_names_itself() -> None:
 # -- defect 3: Dynamo's "medium" -> "high" on torch <= 2.8 ---------------------------------
 
 
-def test_the_probe_finds_what_an_unwrapped_compile_does() -> None:
+def test_the_medium_reset_fact_is_what_an_unwrapped_compile_does() -> None:
     found = dynamo_resets_medium()
     torch.set_float32_matmul_precision("medium")
 
@@ -319,8 +319,8 @@ def test_the_probe_finds_what_an_unwrapped_compile_does() -> None:
 
     torch.compile(fn, backend="eager")(torch.ones(2))
     assert found is (torch.get_float32_matmul_precision() != "medium")
-    # Observed: 2.4.1 and 2.8.0 reset; 2.10.0, 2.13.0 and 2.14.1 do not (the docs say so).
-    assert found is (TORCH < (2, 9))
+    # Observed: 2.4.1 and 2.8.0 reset; 2.10.0, 2.13.0, 2.14.1 and 2.15.0 do not (the docs say so).
+    assert found is _compat.DYNAMO_RESETS_MEDIUM
 
 
 @pytest.mark.parametrize("default", ["highest", "high", "medium"])

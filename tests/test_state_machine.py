@@ -6,7 +6,8 @@ by the library must equal the model's. On each exit the model goes back to its c
 before the entry: the scope must restore even the raw values no getter shows.
 
 The machines run on every torch release: on torch >= 2.9 over random legacy and
-``fp32_precision`` writes, on earlier releases over the legacy writes that release has
+``fp32_precision`` writes (and on torch >= 2.15 "bfx9", as a write and as a scope's
+precision), on earlier releases over the legacy writes that release has
 (``torch.backends.mkldnn.allow_tf32`` too, where it exists). On torch >= 2.9 the legacy
 implementation also runs, swapped in, over legacy writes only.
 """
@@ -21,21 +22,25 @@ import pytest
 from hypothesis import HealthCheck, note, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from fp32scope import Fp32FlagsChangedWarning, Fp32Precision, _flags, _scope, fp32_precision_scope
+from fp32scope import Fp32FlagsChangedWarning, Fp32Precision, _compat, _flags, _scope, fp32_precision_scope
 from tests.torch_model import (
+    APPLIED_CUDA,
+    APPLIED_MKLDNN,
     HAS_ONEDNN_BOOL,
-    LEGACY_SM_CUDA,
-    LEGACY_SM_MKLDNN,
+    LEGACY_WORD,
     TorchModel,
     read_onednn_bool,
 )
 
-MATMULS = [None, "highest", "high", "medium"]
+# "bfx9" wherever torch accepts it (torch >= 2.15): as a scope's precision, and written to
+# every slot (torch refuses it outside cuda/matmul; the model says which).
+BFX9: list[str] = ["bfx9"] if _compat.HAS_BFX9 else []
+MATMULS = [None, "highest", "high", "medium", *BFX9]
 CUDNNS = [None, True, False]
 precisions = st.builds(Fp32Precision, st.sampled_from(MATMULS), st.sampled_from(CUDNNS))
 # Empty before torch 2.9; the rules that draw from these exist only where the API does.
 SLOT_KEYS = [(b, o) for b, o, _ in _flags.SLOTS]
-slot_values = st.sampled_from(["none", "ieee", "tf32", "bf16"])
+slot_values = st.sampled_from(["none", "ieee", "tf32", "bf16", *BFX9])
 
 MATMUL_NAMES: tuple[str, ...] = (_flags.LEGACY_MATMUL, _flags.LEGACY_CUBLAS)
 CUDNN_NAMES: tuple[str, ...] = (_flags.LEGACY_CUDNN,)
@@ -124,8 +129,8 @@ class LegacyWritesMachine(RuleBasedStateMachine):
         if t is not None:
             # Whatever the entry found, every matmul slot now computes as the legacy setter's.
             assert inside_model.matmul_holds(t), f"matmul precision {t!r} does not hold inside: {inside}"
-            assert inside[_flags.LEGACY_MATMUL] == t
-            assert inside[_flags.LEGACY_CUBLAS] is (t != "highest")
+            assert inside[_flags.LEGACY_MATMUL] == LEGACY_WORD[t]
+            assert inside[_flags.LEGACY_CUBLAS] is (LEGACY_WORD[t] != "highest")
         else:
             assert {n: inside[n] for n in MATMUL_NAMES} == {n: before[n] for n in MATMUL_NAMES}
         if b is not None:
@@ -235,6 +240,12 @@ class LegacyWrittenStartMachine(LegacyWritesMachine):
         super().__init__()
         self.model.set_matmul_precision(self.model.e)
         self.model.set_cudnn_allow_tf32(self.model.b)
+
+    # No "bfx9": the legacy implementation runs where torch has no per-backend API, and so no bfx9.
+    @precondition(lambda self: len(self.stack) < 4)
+    @rule(precision=st.builds(Fp32Precision, st.sampled_from(MATMULS[:4]), st.sampled_from(CUDNNS)))
+    def enter(self, precision: Fp32Precision) -> None:
+        super().enter(precision)
 
 
 @pytest.mark.skipif(
@@ -363,10 +374,10 @@ class FlipMachine(ScopeMachine):
                     for backend in ("cuda", "mkldnn"):
                         slots[backend, "matmul"] = snap.slots[backend, "matmul"]
             elif not held_now:
-                expected.e = t
+                expected.e = LEGACY_WORD[t]
                 if slots:
-                    slots["cuda", "matmul"] = LEGACY_SM_CUDA[t]
-                    slots["mkldnn", "matmul"] = LEGACY_SM_MKLDNN[t]
+                    slots["cuda", "matmul"] = APPLIED_CUDA[t]
+                    slots["mkldnn", "matmul"] = APPLIED_MKLDNN[t]
         note(f"exit fp32_precision_scope({precision}); the block broke it: {broken}")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -25,6 +25,11 @@ from fp32scope import _flags
 
 LEGACY_SM_CUDA = {"highest": "ieee", "high": "tf32", "medium": "tf32"}
 LEGACY_SM_MKLDNN = {"highest": "ieee", "high": "tf32", "medium": "bf16"}
+#: What applying each matmul precision leaves: the legacy setter's writes, and for "bfx9"
+#: (torch >= 2.15) the legacy "highest" with cuda/matmul "bfx9".
+LEGACY_WORD = {"highest": "highest", "high": "high", "medium": "medium", "bfx9": "highest"}
+APPLIED_CUDA = {**LEGACY_SM_CUDA, "bfx9": "bfx9"}
+APPLIED_MKLDNN = {**LEGACY_SM_MKLDNN, "bfx9": "ieee"}
 
 #: torch has the legacy oneDNN TF32 bool (2.7 and later; on a build without XPU it reads None).
 HAS_ONEDNN_BOOL = hasattr(torch._C, "_get_onednn_allow_tf32")
@@ -100,6 +105,7 @@ class TorchModel:
         cm, mm = self.resolve("cuda", "matmul"), self.resolve("mkldnn", "matmul")
         invalid = (
             (cm == "tf32" and self.e == "highest")
+            or (cm == "bfx9" and self.e != "highest")
             or (mm == "bf16" and self.e != "medium")
             or (mm == "tf32" and self.e != "high")
         )
@@ -139,9 +145,9 @@ class TorchModel:
         does not hold, although no legacy getter shows it.
         """
         return (
-            self.legacy_matmul() == t
-            and computes(self.resolve("cuda", "matmul")) == LEGACY_SM_CUDA[t]
-            and computes(self.resolve("mkldnn", "matmul")) == LEGACY_SM_MKLDNN[t]
+            self.legacy_matmul() == LEGACY_WORD[t]
+            and computes(self.resolve("cuda", "matmul")) == APPLIED_CUDA[t]
+            and computes(self.resolve("mkldnn", "matmul")) == APPLIED_MKLDNN[t]
         )
 
     def cudnn_holds(self, b: bool) -> bool:
@@ -203,8 +209,8 @@ class TorchModel:
         try:
             setattr(obj, attribute, value)
         except RuntimeError:
-            assert target[0] == "cuda"
-            assert value == "bf16"
+            # cuda refuses bf16; only cuda/matmul takes bfx9 (torch >= 2.15, else no slot).
+            assert (target[0] == "cuda" and value == "bf16") or (value == "bfx9" and target != ("cuda", "matmul"))
             return False
         self.slots[target] = value
         return True

@@ -1,0 +1,195 @@
+"""What the installed torch has: every release difference fp32scope depends on, decided once.
+
+Each fact is named for what it means and found by presence (an attribute, an accepted
+value), so that backports and nightlies count as what they are; the rest of the package
+imports the fact (or the function chosen with it) and never asks again. Two facts are
+about how Dynamo behaves, which no attribute shows and which only compiling would find
+out (too slow for an import): those are read off the release number, here and nowhere
+else, and each has a test that checks it against what Dynamo does.
+
+Adding a release or raising the floor should touch this module and the release tables
+(README.md, docs/guide/releases.rst), little else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+import torch
+
+__all__ = [
+    "BFX9_RELEASE",
+    "DYNAMO_ENTERS_SCOPES_MADE_OUTSIDE",
+    "DYNAMO_RESETS_MEDIUM",
+    "DYNAMO_TRACES_SCOPES_MADE_INSIDE",
+    "ENGINE_RUN_BACKWARD",
+    "HAS_BFX9",
+    "HAS_IS_EXPORTING",
+    "HAS_PER_BACKEND_API",
+    "TORCH_RELEASE",
+    "active_callback",
+    "aoti_packaging_missing",
+    "cpu_capability",
+    "is_exporting",
+]
+
+_C = torch._C
+
+#: torch's release, e.g. "2.13.0" (without a local part such as "+cpu").
+TORCH_RELEASE: Final[str] = str(torch.__version__).split("+", 1)[0]
+
+
+def _release_at_least(major: int, minor: int) -> bool:
+    # Only for the Dynamo facts below. torch.__version__ is a TorchVersion on every supported
+    # torch; parsing the string keeps local builds such as "2.4.1+cu121" or "2.10.0a0" working.
+    numbers = tuple(int("".join(ch for ch in part if ch.isdigit()) or 0) for part in TORCH_RELEASE.split(".")[:2])
+    return numbers >= (major, minor)
+
+
+# -- the per-backend fp32_precision API (torch >= 2.9) ----------------------------------
+
+
+def _has_per_backend_api() -> bool:
+    # torch 2.7 and 2.8 shipped an earlier form of the same getters whose slots read
+    # "default" (no "none"/"ieee" vocabulary); fp32scope uses the legacy API there.
+    if not (hasattr(_C, "_get_fp32_precision_getter") and hasattr(_C, "_set_fp32_precision_setter")):
+        return False
+    try:
+        readings = [_C._get_fp32_precision_getter(b, o) for b, o in (("generic", "all"), ("cuda", "matmul"))]
+    except RuntimeError:
+        return False
+    return all(r in {"none", "ieee", "tf32", "bf16", "bfx9"} for r in readings)
+
+
+#: True when torch has the per-backend ``fp32_precision`` API in its torch >= 2.9 form;
+#: without it (fallback) the legacy matmul enum and cuDNN bool are the whole state.
+HAS_PER_BACKEND_API: Final[bool] = _has_per_backend_api()
+
+#: The torch release that brought cuda matmul "bfx9", for the messages of older ones.
+BFX9_RELEASE: Final = "2.15"
+
+
+def _has_bfx9() -> bool:
+    # Found by writing it: torch offers no list of the values a slot accepts. cuda/matmul is
+    # put back to its raw value (what is stored, not what it resolves to), found as
+    # _flags.raw_op finds it; a torch without bfx9 refuses the write before changing anything.
+    if not HAS_PER_BACKEND_API:
+        return False
+    get, put = _C._get_fp32_precision_getter, _C._set_fp32_precision_setter
+    reading = get("cuda", "matmul")
+    if reading == "bfx9":
+        return True
+    raw = reading
+    if reading != "none" and reading == get("cuda", "all"):
+        # Reads as its parent: explicit, or inherited. Move cuda/all (put back to its own raw
+        # value, found the same way one level up) and see whether cuda/matmul follows.
+        generic = get("generic", "all")
+        all_raw = reading
+        if reading == ("none" if generic == "bf16" else generic):
+            put("generic", "all", "tf32" if generic == "ieee" else "ieee")
+            all_raw = "none" if get("cuda", "all") != reading else reading
+            put("generic", "all", generic)
+        put("cuda", "all", "tf32" if reading == "ieee" else "ieee")
+        follows = get("cuda", "matmul") != reading
+        put("cuda", "all", all_raw)
+        raw = "none" if follows else reading
+    try:
+        put("cuda", "matmul", "bfx9")
+    except RuntimeError:
+        return False
+    put("cuda", "matmul", raw)
+    return True
+
+
+#: True when torch accepts cuda matmul ``fp32_precision = "bfx9"`` (torch >= 2.15: cuBLAS
+#: float32 emulated with nine bf16 products). Fallback: Fp32Precision("bfx9") is refused,
+#: and no reading can be bfx9.
+HAS_BFX9: Final[bool] = _has_bfx9()
+
+
+# -- Dynamo ------------------------------------------------------------------------------
+
+#: Whether every frame Dynamo converts turns a matmul precision of "medium" into "high".
+#: Dynamo saves the cuBLAS matmul flag before it converts a frame and writes it back
+#: afterwards: through the per-backend API wherever torch has it (which keeps "medium"),
+#: else through the cuBLAS TF32 bool, whose setter writes "high" for True (torch 2.4 to 2.8).
+DYNAMO_RESETS_MEDIUM: Final[bool] = not HAS_PER_BACKEND_API
+
+#: Whether Dynamo can enter a context manager that user code made inside the traced region
+#: (torch >= 2.8; torch 2.4 fails with "BEFORE_WITH UserDefinedObjectVariable(...)" before
+#: any of the manager's code runs, so a scope there must refuse where it is made).
+DYNAMO_TRACES_SCOPES_MADE_INSIDE: Final[bool] = _release_at_least(2, 8)
+
+#: Whether Dynamo enters a context manager made outside the traced region (torch >= 2.14;
+#: older releases refuse it before any of its code runs).
+DYNAMO_ENTERS_SCOPES_MADE_OUTSIDE: Final[bool] = _release_at_least(2, 14)
+
+
+def _is_exporting_without_api() -> bool:
+    """Whether torch.export is tracing, on a torch without ``torch.compiler.is_exporting``."""
+    # torch 2.4: only torch.export sets this flag (is_compiling() reads it outside Dynamo,
+    # which folds is_compiling() itself).
+    return bool(getattr(torch.compiler, "_is_compiling_flag", False))
+
+
+#: Whether torch has ``torch.compiler.is_exporting`` (not torch 2.4).
+HAS_IS_EXPORTING: Final[bool] = hasattr(torch.compiler, "is_exporting")
+#: Whether torch.export is tracing now: torch's own function, or the fallback above.
+is_exporting: Callable[[], bool] = torch.compiler.is_exporting if HAS_IS_EXPORTING else _is_exporting_without_api
+
+_eval_frame: Any = _C._dynamo.eval_frame
+
+active_callback: Callable[[], object]
+if hasattr(_eval_frame, "get_eval_frame_callback"):
+    active_callback = _eval_frame.get_eval_frame_callback
+else:  # torch 2.4: only the setter, which returns the callback it replaces
+    _set_eval_frame = _eval_frame.set_eval_frame
+
+    def active_callback() -> object:
+        """Dynamo's frame callback on this thread (None or False when none compiles)."""
+        prior = _set_eval_frame(None)
+        if prior is not None:
+            _set_eval_frame(prior)
+        return prior
+
+
+# -- autograd ----------------------------------------------------------------------------
+
+#: The engine call behind torch.autograd.grad and backward (torch >= 2.4), without their
+#: argument checks; every backward blocks in its frame while the engine runs. None on a
+#: torch that renames it (fallback: torch.autograd.grad, and no backward thread is trusted).
+ENGINE_RUN_BACKWARD: Final[Callable[..., Any] | None] = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+# -- other -------------------------------------------------------------------------------
+
+
+def cpu_capability() -> str | None:
+    """Torch's CPU capability (e.g. "AVX512"), or None on a torch without the getter."""
+    getter = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    return str(getter()) if callable(getter) else None
+
+
+def aoti_packaging_missing(inductor: Any) -> str | None:
+    """Why this torch cannot compile an AOTInductor package with metadata, or None when it can.
+
+    ``inductor`` is the imported ``torch._inductor`` (the caller imports it: about a second).
+    """
+    if not hasattr(inductor, "aoti_compile_and_package") or not hasattr(inductor, "aoti_load_package"):
+        return (
+            f"torch {TORCH_RELEASE} has no torch._inductor.aoti_compile_and_package / aoti_load_package "
+            "(AOTInductor packages need torch >= 2.6)"
+        )
+    import inspect
+
+    parameters = list(inspect.signature(inductor.aoti_compile_and_package).parameters.values())[1:]
+    if any(p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD for p in parameters):
+        return (
+            f"torch {TORCH_RELEASE}'s torch._inductor.aoti_compile_and_package takes the example inputs "
+            "as arguments (torch 2.5); fp32scope uses the form that reads them from the exported program "
+            "(torch >= 2.6)"
+        )
+    if not hasattr(inductor.config.aot_inductor, "metadata"):
+        return f"torch {TORCH_RELEASE}'s AOTInductor has no aot_inductor.metadata to record the precision in"
+    return None
