@@ -6,9 +6,10 @@ the outputs of a custom ``autograd.Function`` (``Fp32ScopedCall``) whose inputs 
 tensors where the call's own subgraph ends (the call's tensor arguments, the parameters
 and other leaves it used). That node's backward runs autograd's engine from the call's
 real outputs to those tensors inside the call's precision scope, and hands the
-gradients back to the caller's graph. An identity node on top (``Fp32ScopedCallGate``)
-tells it whether the caller's graph is retained. In graph dumps they show as
-``Fp32ScopedCallGateBackward`` and ``Fp32ScopedCallBackward``. So:
+gradients back to the caller's graph; it frees the call's subgraph as it goes exactly
+when the caller's backward frees its own (no ``retain_graph``), which the engine tells it
+(on torch < 2.5, which cannot, an identity node on top, ``Fp32ScopedCallGate``, tells it
+instead). In graph dumps it shows as ``Fp32ScopedCallBackward``. So:
 
 * every autograd node the call created runs its backward inside the scope, and only those
   (nodes before and after keep whatever precision is current when they run);
@@ -22,7 +23,11 @@ Without that cut, a parameter reached both inside the call and through an argume
 history (tied weights: an LM head reusing the embedding) would get its gradient twice.
 A call that reaches a non-leaf tensor some other way (a closure over an activation, an
 attribute holding one) cannot be cut there: it keeps a plain forward scope, with a
-``Fp32BackwardNotScopedWarning`` once per wrapper.
+``Fp32BackwardNotScopedWarning`` once per wrapper object (two wrappers of one name each
+warn).
+
+How the leaves of the subgraph get their gradients (accumulated as the nested engine
+reaches them, with the engine's own buffer, each hook once) is ``_leaf_grads``'s half.
 
 With ``create_graph=True`` the gradient computation is recorded the same way, so a
 double backward runs in the precision too and reaches the call's real inputs.
@@ -55,6 +60,10 @@ _Tensor = torch.Tensor
 _LEAF_SEQ = 2**64 - 1
 _empty = torch.empty
 _functorch_level = torch._C._functorch.maybe_current_level
+
+# release check: move to _compat
+#: Whether the running backward retains its graph (torch >= 2.5); None: the gate node tells.
+_keep_graph: Callable[[], bool] | None = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
 # torch's words when code modifies a leaf that requires grad in place (a leaf alias of an
 # argument, here), and what the user is told instead.
@@ -218,10 +227,13 @@ class Fp32ScopedCall(torch.autograd.Function):
                 owner=state.owner,
             )
             return (None, *computed)
-        # The gate ran just before this node; the engine has released its saved sentinel
-        # already unless the graph is retained (or a saved-tensor hook took it: then keep).
-        ref = state.sentinel
-        keep = state.shared or ref is None or ref() is not None
+        if _keep_graph is not None:
+            keep = state.shared or _keep_graph()
+        else:  # pragma: no cover  (torch < 2.5)
+            # The gate ran just before this node; the engine has released its saved sentinel
+            # already unless the graph is retained (or a saved-tensor hook took it: then keep).
+            ref = state.sentinel
+            keep = state.shared or ref is None or ref() is not None
         # An extended subgraph runs nodes that may be the caller's too: never free them here.
         computed = _scoped_backward(state, outs, gs, keep or state.extended)
         if not keep:
@@ -460,11 +472,12 @@ def call_recorded(  # noqa: C901, PLR0912, PLR0913, PLR0915  (one flat pass: run
                 leaf_nodes.append(None)
                 state_map[key] = original
                 outer_inputs.append(original)
-        boundary = Fp32ScopedCall.apply(state, *outer_inputs)  # type: ignore[no-untyped-call]
-        sentinel = _empty(0)
-        wrapped = Fp32ScopedCallGate.apply(sentinel, *boundary)  # type: ignore[no-untyped-call]
-        if sentinel._use_count() > 1:  # type: ignore[attr-defined]  # held by the gate, not by a hook
-            state.sentinel = weakref.ref(sentinel)
+        wrapped = Fp32ScopedCall.apply(state, *outer_inputs)  # type: ignore[no-untyped-call]
+        if _keep_graph is None:  # pragma: no cover  (torch < 2.5)
+            sentinel = _empty(0)
+            wrapped = Fp32ScopedCallGate.apply(sentinel, *wrapped)  # type: ignore[no-untyped-call]
+            if sentinel._use_count() > 1:  # type: ignore[attr-defined]  # held by the gate, not by a hook
+                state.sentinel = weakref.ref(sentinel)
         for i, w in zip(positions, wrapped, strict=True):
             flat[i] = w
     elif not returned_argument:
