@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 import timeit
 import warnings
 from collections.abc import Callable
@@ -38,9 +39,12 @@ DEFAULT = Fp32Precision("high", True)
 FULL = Fp32Precision("highest", False)
 
 
-def median_us(fn: Callable[[], object], number: int) -> float:
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def median_us(fn: Callable[[], object], number: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """Microseconds per call of ``fn`` over one loop of ``number`` calls."""
-    return timeit.Timer(fn).timeit(number=number) / number * 1e6
+    return timeit.Timer(fn, timer=clock).timeit(number=number) / number * 1e6
 
 
 def training_step(
@@ -110,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     parser.add_argument("--number", type=int, default=200, help="steps per timing loop")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall time, or this process's CPU time (steadier where other processes share the cores)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # a shared 2-core machine: one thread keeps the figures steadier
     fp32scope.set_process_default(DEFAULT)
@@ -169,14 +179,14 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     for _ in range(args.repeats):
         for name, fn in cases.items():
             number = args.number if "MLP" not in name else max(1, args.number // 4)
-            samples[name].append(median_us(fn, number))
+            samples[name].append(median_us(fn, number, CLOCKS[args.clock]))
     if _flags.read_all() != before:
         print("error: the benchmark left the flags changed", file=sys.stderr)
         return 1
     med = {name: statistics.median(values) for name, values in samples.items()}
 
     print(f"torch {torch.__version__}, fp32scope {fp32scope.__version__}, 1 thread")
-    print(f"median of {args.repeats} interleaved loops, microseconds per step or call")
+    print(f"median of {args.repeats} interleaved loops, microseconds ({args.clock} time) per step or call")
     width = max(map(len, med))
     for name, value in med.items():
         print(f"  {name:<{width}}  {value:9.2f}")
