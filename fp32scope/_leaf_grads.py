@@ -156,9 +156,13 @@ def outer_fires_post_accumulate_hooks() -> bool:
 def _obeys_layout_contract(grad: torch.Tensor, leaf: torch.Tensor) -> bool:
     # torch's utils::obeys_layout_contract for a dense leaf (the only kind stolen here):
     # strides equal the leaf's wherever a size is not 1, and no stride 0 where it is.
-    if not leaf.is_contiguous() and not _non_overlapping_and_dense(leaf):
+    grad_strides = grad.stride()
+    contiguous = leaf.is_contiguous()
+    if contiguous and grad_strides == leaf.stride() and 0 not in grad_strides:
+        return True  # the usual case, at once
+    if not contiguous and not _non_overlapping_and_dense(leaf):
         return grad.is_contiguous()
-    for size, grad_stride, leaf_stride in zip(grad.shape, grad.stride(), leaf.stride(), strict=True):
+    for size, grad_stride, leaf_stride in zip(grad.shape, grad_strides, leaf.stride(), strict=True):
         if size != 1:
             if grad_stride != leaf_stride:
                 return False
@@ -205,7 +209,7 @@ def _accumulate_now(
         if (
             may_steal
             and leaf.grad is None
-            and counts == _unshared_counts()
+            and counts == (_unshared[0] if _unshared else _unshared_counts())
             and type(grad) is _Tensor
             and (type(leaf) is _Tensor or isinstance(leaf, _Parameter))
             and grad.layout is _strided
