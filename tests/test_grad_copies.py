@@ -82,15 +82,18 @@ class _Source(torch.autograd.Function):
     """Identity; its backward makes the gradient and notes where its buffer lives."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, made: list[int]) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, made: list[int], row_major: bool) -> torch.Tensor:
         ctx.made = made
+        ctx.row_major = row_major
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         out = grad * 2
+        if ctx.row_major:  # strides unlike a transposed leaf's: the layout contract breaks
+            out = out.contiguous()
         ctx.made.append(out.data_ptr())
-        return out, None
+        return out, None, None
 
 
 def _stolen(scoped: bool, how: str) -> tuple[bool, torch.Tensor]:
@@ -102,11 +105,11 @@ def _stolen(scoped: bool, how: str) -> tuple[bool, torch.Tensor]:
         weight.register_hook(kept.append)  # type: ignore[no-untyped-call]
     elif how == "hook observes it":
         weight.register_hook(lambda g: None)  # type: ignore[no-untyped-call]
-    elif how == "transposed":
-        weight = torch.nn.Parameter(torch.randn(4, 4).t())  # a leaf whose strides the gradient's differ from
+    elif how.startswith("transposed"):
+        weight = torch.nn.Parameter(torch.randn(4, 4).t())  # a dense leaf that is not contiguous
 
     def node(x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = x @ _Source.apply(weight, made)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = x @ _Source.apply(weight, made, how == "transposed, gradient row-major")  # type: ignore[no-untyped-call]
         return out
 
     fn = with_fp32_precision(FULL)(node) if scoped else node
@@ -115,13 +118,17 @@ def _stolen(scoped: bool, how: str) -> tuple[bool, torch.Tensor]:
     return weight.grad.data_ptr() == made[-1], weight.grad
 
 
-@pytest.mark.parametrize("how", ["alone", "hook observes it", "hook keeps it", "transposed"])
+@pytest.mark.parametrize(
+    "how", ["alone", "hook observes it", "hook keeps it", "transposed", "transposed, gradient row-major"]
+)
 def test_the_leaf_gets_the_engines_buffer_exactly_where_torch_steals_it(how: str) -> None:
     bare_stole, bare_grad = _stolen(scoped=False, how=how)
     scoped_stole, scoped_grad = _stolen(scoped=True, how=how)
     torch.testing.assert_close(scoped_grad, bare_grad)
-    if how in {"alone", "hook observes it"}:
+    if how in {"alone", "hook observes it", "transposed"}:
         assert bare_stole  # the control: torch steals here
+    if how == "transposed, gradient row-major":
+        assert not bare_stole  # the gradient's strides break the layout contract: torch copies
     if how == "hook keeps it":
         assert not bare_stole  # a buffer a hook kept must not become .grad
     if how == "hook observes it":
