@@ -8,6 +8,11 @@ precision). Every figure is the median over ``--repeats`` loops of ``--number`` 
 the cases interleaved loop by loop, all in one process, so the differences and ratios
 compare like with like on a noisy machine. Inference calls under ``torch.no_grad()`` and
 ``torch.inference_mode()`` show that the default adds nothing there.
+
+Also: the copy ops of one MLP training step, bare and scoped, counted with a dispatch mode
+(equal: the scoped backward hands each parameter the engine's gradient buffer, as torch
+does), and the cost per parameter tensor: stacks of ``Linear(16, 16)`` holding 1, 6 and 24
+parameter tensors, the backward scope's addition for each, and its slope.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ import argparse
 import json
 import statistics
 import sys
+import time
 import timeit
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp32scope
 from fp32scope import Fp32Precision, Fp32ScopedModule, _flags
@@ -31,9 +39,12 @@ DEFAULT = Fp32Precision("high", True)
 FULL = Fp32Precision("highest", False)
 
 
-def median_us(fn: Callable[[], object], number: int) -> float:
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def median_us(fn: Callable[[], object], number: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """Microseconds per call of ``fn`` over one loop of ``number`` calls."""
-    return timeit.Timer(fn).timeit(number=number) / number * 1e6
+    return timeit.Timer(fn, timer=clock).timeit(number=number) / number * 1e6
 
 
 def training_step(
@@ -45,12 +56,56 @@ def training_step(
         p.grad = None
 
 
+TINY = "Linear(16, 16), batch 4"
+MLP = "MLP 512-512-512, batch 32"
+#: Models holding 1, 6 and 24 parameter tensors: the cost per parameter tensor.
+PER_PARAMETER = {n: f"{n} parameter tensors (Linear(16, 16) stack), batch 4" for n in (1, 6, 24)}
+
+
 def build(kind: str) -> tuple[torch.nn.Module, torch.Tensor]:
     torch.manual_seed(0)
-    if kind == "Linear(16, 16), batch 4":
+    if kind == TINY:
         return torch.nn.Linear(16, 16), torch.randn(4, 16)
+    for n, name in PER_PARAMETER.items():
+        if kind == name:
+            if n == 1:
+                return torch.nn.Linear(16, 16, bias=False), torch.randn(4, 16)
+            return torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(n // 2))), torch.randn(4, 16)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512))
     return model, torch.randn(32, 512)
+
+
+class _CountCopies(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts the copy ops (and their bytes) that run while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.count = 0
+        self.bytes = 0
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in {"copy_", "clone", "_to_copy", "copy"}:
+            first = out if isinstance(out, torch.Tensor) else args[0]
+            self.count += 1
+            self.bytes += first.numel() * first.element_size()
+        return out
+
+
+def count_copies() -> dict[str, tuple[int, int]]:
+    """Copy ops and bytes of one MLP training step (gradients unset before it), bare and scoped."""
+    result = {}
+    for name, scoped in (("bare", False), ("scoped (forward and backward)", True)):
+        module, x = build(MLP)
+        params = list(module.parameters())
+        step_of = Fp32ScopedModule(module, FULL) if scoped else module
+        training_step(step_of, params, x)  # warm up
+        with _CountCopies() as mode:
+            training_step(step_of, params, x)
+        result[name] = (mode.count, mode.bytes)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one flat script)
@@ -59,12 +114,18 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     parser.add_argument("--number", type=int, default=200, help="steps per timing loop")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall time, or this process's CPU time (steadier where other processes share the cores)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # a shared 2-core machine: one thread keeps the figures steadier
     fp32scope.set_process_default(DEFAULT)
 
     cases: dict[str, Callable[[], object]] = {}
-    for kind in ("Linear(16, 16), batch 4", "MLP 512-512-512, batch 32"):
+    for kind in (TINY, MLP, *PER_PARAMETER.values()):
         module, x = build(kind)
         params = list(module.parameters())
         forward_only = Fp32ScopedModule(module, FULL, backward=False)
@@ -85,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         cases[f"{kind}: train step, forward-only scope"] = forward_only_step
         cases[f"{kind}: train step, forward and backward scoped"] = both_step
 
-    module, x = build("Linear(16, 16), batch 4")
+    module, x = build(TINY)
     forward_only = Fp32ScopedModule(module, FULL, backward=False)
     both = Fp32ScopedModule(module, FULL)
 
@@ -118,26 +179,30 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     for _ in range(args.repeats):
         for name, fn in cases.items():
             number = args.number if "MLP" not in name else max(1, args.number // 4)
-            samples[name].append(median_us(fn, number))
+            samples[name].append(median_us(fn, number, CLOCKS[args.clock]))
     if _flags.read_all() != before:
         print("error: the benchmark left the flags changed", file=sys.stderr)
         return 1
     med = {name: statistics.median(values) for name, values in samples.items()}
 
     print(f"torch {torch.__version__}, fp32scope {fp32scope.__version__}, 1 thread")
-    print(f"median of {args.repeats} interleaved loops, microseconds per step or call")
+    print(f"median of {args.repeats} interleaved loops, microseconds ({args.clock} time) per step or call")
     width = max(map(len, med))
     for name, value in med.items():
         print(f"  {name:<{width}}  {value:9.2f}")
-    tiny = "Linear(16, 16), batch 4"
-    mlp = "MLP 512-512-512, batch 32"
+    tiny, mlp = TINY, MLP
+
+    def adds(kind: str) -> float:
+        return med[f"{kind}: train step, forward and backward scoped"] - med[f"{kind}: train step, forward-only scope"]
+
+    few, most = PER_PARAMETER[1], PER_PARAMETER[24]
     figures = {
-        f"{tiny}: backward scope adds, us [target <= 60]": med[f"{tiny}: train step, forward and backward scoped"]
-        - med[f"{tiny}: train step, forward-only scope"],
-        f"{mlp}: scoped / forward-only step [target <= 1.05]": med[f"{mlp}: train step, forward and backward scoped"]
+        f"{tiny}: backward scope adds, us [goal <= 40]": adds(tiny),
+        f"{mlp}: scoped / forward-only step [goal <= 1.05]": med[f"{mlp}: train step, forward and backward scoped"]
         / med[f"{mlp}: train step, forward-only scope"],
-        f"{mlp}: backward scope adds, us": med[f"{mlp}: train step, forward and backward scoped"]
-        - med[f"{mlp}: train step, forward-only scope"],
+        f"{mlp}: backward scope adds, us": adds(mlp),
+        **{f"{PER_PARAMETER[n]}: backward scope adds, us": adds(PER_PARAMETER[n]) for n in PER_PARAMETER},
+        "per parameter tensor: backward scope adds, us (slope 1 -> 24)": (adds(most) - adds(few)) / 23,
         "no_grad call: default - backward=False, us": med["Linear(16, 16): no_grad call, default (backward=True)"]
         - med["Linear(16, 16): no_grad call, backward=False"],
         "inference_mode call: default - backward=False, us": med[
@@ -148,8 +213,12 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     print("differences and ratios (same run):")
     for name, value in figures.items():
         print(f"  {name}: {value:.2f}")
+    copies = count_copies()
+    print("copy ops in one MLP 512-512-512 training step (count, bytes) [goal: scoped == bare]:")
+    for name, (count, size) in copies.items():
+        print(f"  {name}: {count}, {size}")
     if args.json:
-        print(json.dumps({"median_us": med, "figures": figures}, indent=2))
+        print(json.dumps({"median_us": med, "figures": figures, "copies": copies}, indent=2))
     return 0
 
 

@@ -6,9 +6,10 @@ the outputs of a custom ``autograd.Function`` (``Fp32ScopedCall``) whose inputs 
 tensors where the call's own subgraph ends (the call's tensor arguments, the parameters
 and other leaves it used). That node's backward runs autograd's engine from the call's
 real outputs to those tensors inside the call's precision scope, and hands the
-gradients back to the caller's graph. An identity node on top (``Fp32ScopedCallGate``)
-tells it whether the caller's graph is retained. In graph dumps they show as
-``Fp32ScopedCallGateBackward`` and ``Fp32ScopedCallBackward``. So:
+gradients back to the caller's graph; it frees the call's subgraph as it goes exactly
+when the caller's backward frees its own (no ``retain_graph``), which the engine tells it
+(on torch < 2.5, which cannot, an identity node on top, ``Fp32ScopedCallGate``, tells it
+instead). In graph dumps it shows as ``Fp32ScopedCallBackward``. So:
 
 * every autograd node the call created runs its backward inside the scope, and only those
   (nodes before and after keep whatever precision is current when they run);
@@ -22,7 +23,11 @@ Without that cut, a parameter reached both inside the call and through an argume
 history (tied weights: an LM head reusing the embedding) would get its gradient twice.
 A call that reaches a non-leaf tensor some other way (a closure over an activation, an
 attribute holding one) cannot be cut there: it keeps a plain forward scope, with a
-``Fp32BackwardNotScopedWarning`` once per wrapper.
+``Fp32BackwardNotScopedWarning`` once per wrapper object (two wrappers of one name each
+warn).
+
+How the leaves of the subgraph get their gradients (accumulated as the nested engine
+reaches them, with the engine's own buffer, each hook once) is ``_leaf_grads``'s half.
 
 With ``create_graph=True`` the gradient computation is recorded the same way, so a
 double backward runs in the precision too and reaches the call's real inputs.
@@ -40,8 +45,9 @@ import torch
 from torch.utils import _pytree
 
 from fp32scope import _dynamo_exclude
-from fp32scope._compat import ENGINE_RUN_BACKWARD
+from fp32scope._compat import CURRENT_GRAPH_TASK_KEEPS_GRAPH
 from fp32scope._errors import Fp32BackwardNotScopedWarning, Fp32ScopeError
+from fp32scope._leaf_grads import LeafAccumulation, engine_grad, mute_tensor_hooks, unmute
 from fp32scope._scope import fp32_precision_scope, wrapper_scope
 
 __all__ = ["call_recorded", "grad_enabled", "recording_scope"]
@@ -56,21 +62,8 @@ _LEAF_SEQ = 2**64 - 1
 _empty = torch.empty
 _functorch_level = torch._C._functorch.maybe_current_level
 
-# The engine call behind torch.autograd.grad, without its argument checks (None: the public path).
-_run_engine: Callable[..., Any] | None = ENGINE_RUN_BACKWARD
-
-
-def _grad(
-    outputs: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...], keep: bool
-) -> Any:
-    # The gradients come from autograd itself (right shapes, dtypes and devices), so
-    # torch.autograd.grad's checks and conversions (a quarter of a small node's backward)
-    # are skipped. keep: retain_graph as the caller's backward has it; allow_unused: a
-    # leaf may get no gradient.
-    if _run_engine is None:  # pragma: no cover
-        return torch.autograd.grad(outputs, inputs, grads, retain_graph=keep, allow_unused=True)
-    return _run_engine(outputs, grads, keep, False, inputs, True, False)
-
+#: Whether the running backward retains its graph (torch >= 2.5); None: the gate node tells.
+_keep_graph: Callable[[], bool] | None = CURRENT_GRAPH_TASK_KEEPS_GRAPH
 
 # torch's words when code modifies a leaf that requires grad in place (a leaf alias of an
 # argument, here), and what the user is told instead.
@@ -100,15 +93,19 @@ class _State:
         "leaf_map",
         "leaf_nodes",
         "name",
+        "owner",
         "precision",
         "sentinel",
         "shared",
         "start",
     )
 
-    def __init__(self, scope: fp32_precision_scope, start: int, leaf_map: dict[int, torch.Tensor]) -> None:
+    def __init__(
+        self, scope: fp32_precision_scope, owner: fp32_precision_scope, start: int, leaf_map: dict[int, torch.Tensor]
+    ) -> None:
         self.precision = scope.precision
         self.name = scope._name
+        self.owner = owner  # the wrapper's recording scope: what its warnings are keyed on
         self.start = start  # the first sequence number of the call's own nodes
         self.leaf_map = leaf_map  # id(alias) -> the caller's tensor it stands for
         # The call's outputs with their history, and the leaves where that history ends;
@@ -158,183 +155,23 @@ def _release(state: _State) -> None:
     state.leaf_map = {}
 
 
-# -- the leaves of a call's subgraph during its backward ----------------------------------
-#
-# The boundary's edges lead to the leaves of the call's subgraph: the aliases' originals
-# (the caller's tensors the arguments were) and the caller's own leaves (parameters, leaf
-# arguments). A leaf's AccumulateGrad node is one object, in the call's subgraph and in the
-# caller's graph alike. Hooks inside the subgraph may read a parameter's .grad right after
-# its AccumulateGrad would have run in plain torch (FSDP's post-backward does, and then
-# reduce-scatters it), so for each leaf the caller's backward will accumulate into, the
-# gradient is accumulated the moment the nested engine reaches it, through the leaf's own
-# AccumulateGrad node, and the boundary hands None back for it: the caller's engine still
-# runs that node (its node hooks, such as DDP's and FSDP1's, fire there once, with .grad
-# set), but accumulates nothing more. Each kind of hook then fires once:
-#
-# * tensor hooks (leaf.register_hook): in the nested engine, on the real gradient, before
-#   it is accumulated; the caller's engine then calls them with None, which _SkipNone
-#   passes over;
-# * post-accumulate-grad hooks: where the caller's engine fires them for a None gradient
-#   (torch 2.13), muted while the nested engine accumulates, so that they fire there, once,
-#   after .grad is final; elsewhere (torch 2.4) they fire as the nested engine accumulates;
-# * AccumulateGrad node hooks: only the caller's engine runs them.
-#
-# A leaf the caller captures instead (torch.autograd.grad with it among the inputs:
-# _will_engine_execute_node raises) has its gradient handed back as before, its tensor
-# hooks muted in the nested engine (the caller's capture runs them); a leaf the caller's
-# backward does not need is left out.
-
-_will_execute = torch._C._will_engine_execute_node
-
-
-class _SkipNone:
-    """A tensor hook of the caller's that the boundary's None does not reach (see above)."""
-
-    __slots__ = ("hook",)
-
-    def __init__(self, hook: Callable[[torch.Tensor], Any]) -> None:
-        self.hook = hook
-
-    def __call__(self, grad: torch.Tensor | None) -> Any:
-        return None if grad is None else self.hook(grad)
-
-
-class _NoneToLeaf(torch.autograd.Function):
-    """Hands None back to its leaf, as the boundary does for a gradient accumulated already."""
-
-    @staticmethod
-    def forward(_ctx: Any, leaf: torch.Tensor) -> torch.Tensor:
-        return leaf.detach() * 1
-
-    @staticmethod
-    def backward(_ctx: Any, _grad: torch.Tensor) -> None:
-        return None
-
-
-_outer_fires_post_hooks: list[bool] = []
-
-
-def _outer_fires_post_accumulate_hooks() -> bool:
-    """Whether the engine runs a leaf's post-accumulate-grad hooks when its gradient is None.
-
-    torch 2.13 does (the caller's engine, running the leaf's AccumulateGrad after the
-    boundary handed it None, fires them with .grad as the nested engine left it); torch 2.4
-    does not. Found out once, by trying it, so that either way they fire exactly once.
-    """
-    if not _outer_fires_post_hooks:
-        leaf = torch.zeros(1, requires_grad=True)
-        fired: list[bool] = []
-        leaf.register_post_accumulate_grad_hook(lambda _: fired.append(True))  # type: ignore[no-untyped-call]
-        with torch.enable_grad():  # (called from inside a backward, where grad mode is off)
-            out = _NoneToLeaf.apply(leaf) + torch.zeros(1, requires_grad=True)  # type: ignore[no-untyped-call]
-            torch.autograd.backward(out.sum())
-        _outer_fires_post_hooks.append(bool(fired))
-    return _outer_fires_post_hooks[0]
-
-
-def _accumulate_now(node: Any, leaf: torch.Tensor) -> Callable[[torch.Tensor | None], None]:
-    def accumulate(grad: torch.Tensor | None) -> None:
-        if grad is None:  # a scoped node inside this one accumulated it already
-            return
-        post = getattr(leaf, "_post_accumulate_grad_hooks", None)
-        if not post or not _outer_fires_post_accumulate_hooks():
-            node(grad)
-            return
-        saved = list(post.items())
-        post.clear()
-        try:
-            node(grad)
-        finally:
-            post.update(saved)
-
-    return accumulate
-
-
-def _mute_tensor_hooks(inputs: list[torch.Tensor], nodes: list[Any]) -> list[tuple[Any, list[Any]]]:
-    muted: list[tuple[Any, list[Any]]] = []
-    for leaf, node in zip(inputs, nodes, strict=True):
-        hooks = leaf._backward_hooks if node is not None else None
-        if hooks:
-            muted.append((hooks, list(hooks.items())))
-            hooks.clear()
-    return muted
-
-
-def _unmute(muted: list[tuple[Any, list[Any]]]) -> None:
-    for hooks, items in muted:
-        hooks.update(items)
-
-
-# The AccumulateGrad nodes each running boundary accumulates into as its engine reaches
-# them, innermost last. A boundary running inside another's engine (a scoped node inside a
-# scoped node) sees its caller capture those leaves; it accumulates them itself instead, so
-# that hooks inside it see .grad too, and hands None on, which the outer one passes over.
-_accumulating: list[set[Any]] = []
-_NOTHING: set[Any] = set()
-
-
-def _leaf_role(
-    leaf: torch.Tensor, node: Any, enclosing: set[Any], handles: list[Any], muted: list[tuple[Any, list[Any]]]
-) -> int:
-    """How the nested engine treats one of the caller's leaves: 1 capture, -1 accumulate now, 0 leave out."""
-    try:
-        will_run = _will_execute(node)
-    except RuntimeError:  # the caller captures this leaf's gradient (autograd.grad, or a boundary)
-        if node in enclosing:
-            # The enclosing boundary's accumulating hook is on the leaf still: it fires
-            # here, as this engine reaches the leaf.
-            return -1
-        hooks = leaf._backward_hooks
-        if hooks:
-            muted.append((hooks, list(hooks.items())))
-            hooks.clear()
-        return 1
-    if not will_run:
-        return 0
-    hooks = leaf._backward_hooks
-    if hooks:
-        for key, hook in list(hooks.items()):
-            if not isinstance(hook, _SkipNone):
-                hooks[key] = _SkipNone(hook)
-    handles.append(leaf.register_hook(_accumulate_now(node, leaf)))  # type: ignore[no-untyped-call]
-    return -1
-
-
 def _scoped_backward(
     state: _State, outs: tuple[torch.Tensor, ...], gs: tuple[torch.Tensor, ...], keep: bool
 ) -> list[torch.Tensor | None]:
-    """Run the call's subgraph from ``outs`` in its scope; the gradients for the boundary's edges."""
+    """Run the call's subgraph from ``outs`` in its scope; the gradients for the boundary's edges.
+
+    The one place where a scoped backward enters its scope.
+    """
     inputs = state.inner_inputs
-    result: list[torch.Tensor | None] = [None] * len(inputs)
-    engine_inputs: list[torch.Tensor] = []
-    returned: list[int] = []  # for each engine input, its boundary position, or -1: accumulated now
-    handles: list[Any] = []
-    muted: list[tuple[Any, list[Any]]] = []
-    enclosing = _accumulating[-1] if _accumulating else _NOTHING
-    accumulating: set[Any] = set()
-    _accumulating.append(accumulating)
+    leaves = LeafAccumulation(inputs, state.leaf_nodes)
     try:
-        for i, (leaf, node) in enumerate(zip(inputs, state.leaf_nodes, strict=True)):
-            # An argument's alias (node None): its gradient continues in the caller's graph.
-            role = 1 if node is None else _leaf_role(leaf, node, enclosing, handles, muted)
-            if role:
-                engine_inputs.append(leaf)
-                returned.append(i if role == 1 else -1)
-                if role == -1:
-                    accumulating.add(node)
-        if not engine_inputs:
-            return result
+        if not leaves.engine_inputs:
+            return [None] * len(inputs)
         with state.scope():
-            computed = _grad(outs, tuple(engine_inputs), gs, keep)
+            computed = engine_grad(outs, tuple(leaves.engine_inputs), gs, keep=keep)
     finally:
-        _accumulating.pop()
-        for handle in handles:
-            handle.remove()
-        _unmute(muted)
-    for position, grad in zip(returned, computed, strict=True):
-        if position >= 0:
-            result[position] = grad
-    return result
+        leaves.close()
+    return leaves.for_boundary(computed, len(inputs))
 
 
 class Fp32ScopedCall(torch.autograd.Function):
@@ -368,25 +205,35 @@ class Fp32ScopedCall(torch.autograd.Function):
             def grad_create_graph(*gs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
                 # Every gradient goes back to the caller's graph, whose AccumulateGrad runs
                 # the leaves' tensor hooks: muted here, so that they run once.
-                muted = _mute_tensor_hooks(inputs, state.leaf_nodes)
+                muted = mute_tensor_hooks(inputs, state.leaf_nodes)
                 try:
                     return torch.autograd.grad(
                         outs, inputs, gs, retain_graph=True, create_graph=True, allow_unused=True
                     )
                 finally:
-                    _unmute(muted)
+                    unmute(muted)
 
             # The call's own forward nodes count as its subgraph (they carry the double
             # backward), and its aliases lead back to the caller's tensors.
             state.shared = True
             computed = call_recorded(
-                state.scope(), grad_create_graph, gs, {}, start=state.start, leaf_map=state.leaf_map, shared=True
+                state.scope(),
+                grad_create_graph,
+                gs,
+                {},
+                start=state.start,
+                leaf_map=state.leaf_map,
+                shared=True,
+                owner=state.owner,
             )
             return (None, *computed)
-        # The gate ran just before this node; the engine has released its saved sentinel
-        # already unless the graph is retained (or a saved-tensor hook took it: then keep).
-        ref = state.sentinel
-        keep = state.shared or ref is None or ref() is not None
+        if _keep_graph is not None:
+            keep = state.shared or _keep_graph()
+        else:  # pragma: no cover  (torch < 2.5)
+            # The gate ran just before this node; the engine has released its saved sentinel
+            # already unless the graph is retained (or a saved-tensor hook took it: then keep).
+            ref = state.sentinel
+            keep = state.shared or ref is None or ref() is not None
         # An extended subgraph runs nodes that may be the caller's too: never free them here.
         computed = _scoped_backward(state, outs, gs, keep or state.extended)
         if not keep:
@@ -414,18 +261,22 @@ class Fp32ScopedCallGate(torch.autograd.Function):
         return (None, *grads)
 
 
-_warned: set[int] = set()
+# The wrappers (their recording scopes, one per wrapper object) warned already, per kind.
+# Keyed on the object itself, kept alive here, so that a new wrapper never inherits a dead
+# one's key: two wrappers of the same name each warn once.
+_warned: set[tuple[fp32_precision_scope, str]] = set()
 
 
-def _warn_once(name: str | None, kind: str, msg: str) -> None:
-    key = hash((name, kind))
+def _warn_once(owner: fp32_precision_scope, kind: str, msg: str) -> None:
+    key = (owner, kind)
     if key in _warned:
         return
     _warned.add(key)
     warnings.warn(msg, Fp32BackwardNotScopedWarning, stacklevel=4)
 
 
-def _warn_not_scoped(name: str | None) -> None:
+def _warn_not_scoped(owner: fp32_precision_scope) -> None:
+    name = owner._name
     where = f" {name!r}" if name is not None else ""
     msg = (
         f"The backward of scoped node{where} runs under the precision current when autograd reaches it, not "
@@ -434,10 +285,11 @@ def _warn_not_scoped(name: str | None) -> None:
         "transform inside the node, or wrap the node with backward=False to keep it forward-only and silence "
         "this warning."
     )
-    _warn_once(name, "transform", msg)
+    _warn_once(owner, "transform", msg)
 
 
-def _warn_extended(name: str | None, what: str) -> None:
+def _warn_extended(owner: fp32_precision_scope, what: str) -> None:
+    name = owner._name
     where = f" {name!r}" if name is not None else ""
     msg = (
         f"Scoped node{where} reaches {what}, which is neither one of its arguments nor a leaf (a closure over "
@@ -447,7 +299,7 @@ def _warn_extended(name: str | None, what: str) -> None:
         "once for each use. Pass the tensor as an argument (or wrap the unit that makes it rather than its "
         "forward), or wrap the node with backward=False to keep it forward-only and silence this warning."
     )
-    _warn_once(name, "extended", msg)
+    _warn_once(owner, "extended", msg)
 
 
 def _cut(value: Any, aliases: dict[int, torch.Tensor], leaf_map: dict[int, torch.Tensor]) -> Any:
@@ -487,11 +339,15 @@ def _cut_arguments(
 
 
 def _call_in_transform(
-    scope: fp32_precision_scope, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    scope: fp32_precision_scope,
+    owner: fp32_precision_scope,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> Any:
     # Inside torch.func.grad / vmap / jacrev: a custom autograd.Function would need a
     # functorch rule of its own; the transform differentiates the call as it is.
-    _warn_not_scoped(scope._name)
+    _warn_not_scoped(owner)
     with scope:
         return fn(*args, **kwargs)
 
@@ -538,16 +394,20 @@ def call_recorded(  # noqa: C901, PLR0912, PLR0913, PLR0915  (one flat pass: run
     start: int | None = None,
     leaf_map: dict[int, torch.Tensor] | None = None,
     shared: bool = False,
+    owner: fp32_precision_scope | None = None,
 ) -> Any:
     """Call ``fn(*args, **kwargs)`` in ``scope``; make its backward run in the scope too.
 
     Called only with grad mode on. ``start`` (for a recorded backward) widens what counts
     as the call's own subgraph to everything since that sequence number; ``leaf_map``
     (likewise) maps the leaves of that subgraph that stand for the caller's tensors, and
-    ``shared`` says that subgraph is also another boundary's.
+    ``shared`` says that subgraph is also another boundary's; ``owner`` is the wrapper's
+    own recording scope where ``scope`` is not (a recorded backward's).
     """
+    if owner is None:
+        owner = scope
     if _functorch_level() is not None:
-        return _call_in_transform(scope, fn, args, kwargs)
+        return _call_in_transform(scope, owner, fn, args, kwargs)
     leaf_map = {} if leaf_map is None else dict(leaf_map)
     if args or kwargs:
         args, kwargs = _cut_arguments(args, kwargs, leaf_map)
@@ -591,10 +451,10 @@ def call_recorded(  # noqa: C901, PLR0912, PLR0913, PLR0915  (one flat pass: run
     if roots:
         leaves, outside = _subgraph_leaves(roots, start)
         if outside is not None:
-            _warn_extended(scope._name, outside)
+            _warn_extended(owner, outside)
         # Only the aliases the subgraph reaches: inner_inputs keeps them alive, so no id in
         # the map can be reused by another tensor.
-        state = _State(scope, start, {})
+        state = _State(scope, owner, start, {})
         state.shared = shared
         state.extended = outside is not None
         state.inner_outputs = inner_outputs
@@ -612,11 +472,12 @@ def call_recorded(  # noqa: C901, PLR0912, PLR0913, PLR0915  (one flat pass: run
                 leaf_nodes.append(None)
                 state_map[key] = original
                 outer_inputs.append(original)
-        boundary = Fp32ScopedCall.apply(state, *outer_inputs)  # type: ignore[no-untyped-call]
-        sentinel = _empty(0)
-        wrapped = Fp32ScopedCallGate.apply(sentinel, *boundary)  # type: ignore[no-untyped-call]
-        if sentinel._use_count() > 1:  # type: ignore[attr-defined]  # held by the gate, not by a hook
-            state.sentinel = weakref.ref(sentinel)
+        wrapped = Fp32ScopedCall.apply(state, *outer_inputs)  # type: ignore[no-untyped-call]
+        if _keep_graph is None:  # pragma: no cover  (torch < 2.5)
+            sentinel = _empty(0)
+            wrapped = Fp32ScopedCallGate.apply(sentinel, *wrapped)  # type: ignore[no-untyped-call]
+            if sentinel._use_count() > 1:  # type: ignore[attr-defined]  # held by the gate, not by a hook
+                state.sentinel = weakref.ref(sentinel)
         for i, w in zip(positions, wrapped, strict=True):
             flat[i] = w
     elif not returned_argument:

@@ -20,6 +20,7 @@ import torch
 
 __all__ = [
     "BFX9_RELEASE",
+    "CURRENT_GRAPH_TASK_KEEPS_GRAPH",
     "DYNAMO_ENTERS_SCOPES_MADE_OUTSIDE",
     "DYNAMO_RESETS_MEDIUM",
     "DYNAMO_TRACES_SCOPES_MADE_INSIDE",
@@ -160,6 +161,12 @@ else:  # torch 2.4: only the setter, which returns the callback it replaces
 #: argument checks; every backward blocks in its frame while the engine runs. None on a
 #: torch that renames it (fallback: torch.autograd.grad, and no backward thread is trusted).
 ENGINE_RUN_BACKWARD: Final[Callable[..., Any] | None] = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+#: Whether the running backward retains its graph (torch >= 2.5). None before: a scoped
+#: call then adds an identity node (the gate) whose backward tells.
+CURRENT_GRAPH_TASK_KEEPS_GRAPH: Final[Callable[[], bool] | None] = getattr(
+    _C._autograd, "_get_current_graph_task_keep_graph", None
+)
 
 
 # -- other -------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ class Fp32FlagsChangedWarning(RuntimeWarning):
 class Fp32BackwardNotScopedWarning(UserWarning):
     """A scoped node's backward cannot be bracketed to the node's own autograd nodes.
 
-    Warned once per node, in two cases; every gradient stays exact in both:
+    Warned once per wrapper object (two wrappers of one name each warn), in two cases;
+    every gradient stays exact in both:
 
     * the wrapped call reaches a tensor with autograd history that is not one of its
       arguments (a closure over an activation, FSDP1's flat-parameter views): the backward

@@ -170,12 +170,12 @@ def test_a_closure_over_an_activation_keeps_every_gradient_and_runs_its_backward
     source = torch.randn(4, 8, requires_grad=True)
     activation = source * 3  # a non-leaf the function reaches without taking it as an argument
 
-    @with_fp32_precision(FULL, name=f"closes-over-{retain}")  # warned once per node
+    @with_fp32_precision(FULL, name="closes-over")  # a new wrapper object: warned again
     def head(x: torch.Tensor) -> torch.Tensor:
         return probe(x + activation, "node-out")
 
     x = torch.randn(4, 8, requires_grad=True)
-    with pytest.warns(Fp32BackwardNotScopedWarning, match="'closes-over-.*exact.*backward=False"):
+    with pytest.warns(Fp32BackwardNotScopedWarning, match="'closes-over'.*exact.*backward=False"):
         loss = step(head, x)
     backward(loss, retain_graph=retain)
     assert probes.phases("bwd")["node-out"] == [FULL]
@@ -186,6 +186,64 @@ def test_a_closure_over_an_activation_keeps_every_gradient_and_runs_its_backward
     backward(step(lambda t: t + source * 3, x))
     torch.testing.assert_close(got[0], x.grad)
     torch.testing.assert_close(got[1], source.grad)
+
+
+def test_the_not_scoped_warning_comes_once_per_wrapper_object() -> None:
+    # Keyed on the wrapper, not on its name: two wrappers of one name each warn, once.
+    torch.manual_seed(0)
+    activation = torch.randn(4, 8, requires_grad=True) * 3
+
+    def head(x: torch.Tensor) -> torch.Tensor:
+        return x + activation
+
+    first = with_fp32_precision(FULL, name="same-name")(head)
+    second = with_fp32_precision(FULL, name="same-name")(head)
+    x = torch.randn(4, 8, requires_grad=True)
+    for wrapper in (first, second):
+        with pytest.warns(Fp32BackwardNotScopedWarning, match="'same-name'"):
+            wrapper(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Fp32BackwardNotScopedWarning)
+            wrapper(x)
+
+
+@pytest.mark.parametrize("how", ["backward", "grad", "grad of the unused parameter", "double backward"])
+def test_a_closure_parameter_reached_only_by_an_unused_output(how: str) -> None:
+    # The node's subgraph ends at a parameter only its unused output reaches: the nested
+    # backward must not ask for that parameter's gradient as if it were needed.
+    torch.manual_seed(0)
+    used = torch.nn.Parameter(torch.randn(8))
+    unused = torch.nn.Parameter(torch.randn(8))
+
+    def node(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.sin(x * used), torch.sin(x * unused)
+
+    def run(fn: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor | None]:
+        used.grad = unused.grad = None
+        torch.manual_seed(1)
+        x = torch.randn(8, requires_grad=True)
+        loss = fn(x * 1)[0].pow(2).sum()
+        if how == "backward":
+            backward(loss)
+            return [used.grad, unused.grad, x.grad]
+        if how == "grad":
+            return list(torch.autograd.grad(loss, [used, x]))
+        if how == "grad of the unused parameter":
+            return list(torch.autograd.grad(loss, [used, unused], allow_unused=True))
+        (g,) = torch.autograd.grad(loss, [used], create_graph=True)
+        backward(g.sum())
+        return [used.grad, unused.grad, x.grad]
+
+    expected = run(node)
+    got = run(with_fp32_precision(FULL)(node))
+    assert [g is None for g in got] == [g is None for g in expected]
+    for mine, theirs in zip(got, expected, strict=True):
+        if theirs is not None:
+            torch.testing.assert_close(mine, theirs)
+    if how == "grad":  # without allow_unused, torch's own error for the unused parameter
+        loss = with_fp32_precision(FULL)(node)(torch.randn(8))[0].sum()
+        with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+            torch.autograd.grad(loss, [used, unused])
 
 
 def test_the_issues_lost_gradient_case_keeps_the_arguments_gradient() -> None:
