@@ -25,6 +25,7 @@ cuBLAS use TF32 whatever a node's precision says.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -35,6 +36,7 @@ import torch
 from fp32scope import _dynamo_exclude
 from fp32scope._errors import Fp32AutocastWarning
 from fp32scope._precision import Fp32Precision
+from fp32scope._scope import _is_exporting
 
 __all__ = [
     "AutocastPolicy",
@@ -129,8 +131,9 @@ def _cast(value: Any, device_types: tuple[str, ...]) -> Any:  # noqa: PLR0911  (
         return make(items) if make is not None else type(value)(items)
     if isinstance(value, Mapping):
         cast = {k: _cast(v, device_types) for k, v in value.items()}
+        kind: Any = type(value)
         try:
-            return type(value)(cast)
+            return kind(cast)
         except TypeError:  # a mapping type that cannot be built from a dict
             return cast
     return value
@@ -162,6 +165,8 @@ def run_under_autocast(
         policy.action = None
         _warn(policy)
         return call(*args, **kwargs)
+    if _is_exporting():
+        return _exported(call, args, kwargs)
     disabled: list[str] = []
     try:
         for device_type in _DEVICE_TYPES:
@@ -183,6 +188,20 @@ def run_under_autocast(
     finally:
         for device_type in disabled:
             _set_enabled(device_type, True)
+
+
+def _exported(call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # torch.export records a torch.autocast region as a wrap_with_autocast node of the
+    # program (writing the flags directly would only change what is traced): so the
+    # exported program runs the node with autocast off wherever it is called, as a
+    # hand-written ``with torch.autocast(device_type, enabled=False)`` does.
+    types = tuple(d for d in _DEVICE_TYPES if _is_enabled(d))
+    with contextlib.ExitStack() as stack:
+        for device_type in types:
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        cast_args = tuple(_cast(a, types) for a in args)
+        cast_kwargs = {k: _cast(v, types) for k, v in kwargs.items()} if kwargs else kwargs
+        return call(*cast_args, **cast_kwargs)
 
 
 # -- TORCH_ALLOW_TF32_CUBLAS_OVERRIDE ----------------------------------------------------
@@ -224,4 +243,4 @@ def warn_cublas_override(precision: Fp32Precision | None, name: str) -> None:
 
 # Frames only: these run in a wrapper's eager call, where a compiling caller's Dynamo
 # callback is active; the call they make is the wrapper's, compiled as before.
-_dynamo_exclude.exclude(run_under_autocast, _cast, _warn, graph_break=False)
+_dynamo_exclude.exclude(run_under_autocast, _cast, _warn, _exported, graph_break=False)
