@@ -227,6 +227,7 @@ def cublas_override_message(
 
 
 _warned_override: list[bool] = []
+_cuda_available = torch.cuda.is_available
 
 
 def warn_cublas_override(precision: Fp32Precision | None, name: str) -> None:
@@ -235,7 +236,7 @@ def warn_cublas_override(precision: Fp32Precision | None, name: str) -> None:
         return
     if CUBLAS_OVERRIDE not in os.environ:
         return
-    msg = cublas_override_message(precision, os.environ, torch.cuda.is_available(), name)
+    msg = cublas_override_message(precision, os.environ, _cuda_available(), name)
     if msg is not None:
         _warned_override.append(True)
         warnings.warn(msg, RuntimeWarning, stacklevel=3)

@@ -348,8 +348,8 @@ the only time it changes a flag, and it puts every flag back exactly."""
 EPILOG = """\
 exit status: 0 when the state is consistent; 1 when it is mixed (the two APIs
 disagree) or an environment variable overrides the TF32 flags
-(TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, NVIDIA_TF32_OVERRIDE=0); 2 for a bad
-option, or a --import module that does not import."""
+(TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, NVIDIA_TF32_OVERRIDE=0);
+2 for a bad option, or a --import module that does not import."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -568,6 +568,39 @@ def test_cublas_override_message() -> None:
         assert _autocast.cublas_override_message(FULL, environ, True, "head") is None
 
 
+def test_one_warning_per_process_for_a_full_float32_node_under_the_cublas_override(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # This machine has no CUDA: what torch.cuda.is_available() answers is the one stand-in.
+    monkeypatch.setenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1")
+    monkeypatch.setattr(_autocast, "_warned_override", [])
+    monkeypatch.setattr(_autocast, "_cuda_available", lambda: True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Fp32ScopedModule(Router(), Fp32Precision("high"))
+        Fp32ScopedModule(Router(), FULL, name="router")
+        with_fp32_precision(FULL)(len)
+        Fp32ScopedModule(Router(), FULL)
+    found = [w for w in caught if "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1" in str(w.message)]
+    assert len(found) == 1
+    assert found[0].category is RuntimeWarning
+    assert "'router'" in str(found[0].message)
+    monkeypatch.setattr(_autocast, "_warned_override", [])
+    monkeypatch.setattr(_autocast, "_cuda_available", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Fp32ScopedModule(Router(), FULL)
+
+
+def test_the_cublas_override_makes_a_fresh_process_read_high() -> None:
+    env = {**os.environ, "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}
+    code = "import torch; print(torch.get_float32_matmul_precision())"
+    proc = subprocess.run(  # noqa: S603
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert proc.stdout.strip() == "high"
+
+
 def test_doctor_names_the_overrides() -> None:
     assert environment_overrides({}) == ()
     assert environment_overrides({"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "0", "NVIDIA_TF32_OVERRIDE": "1"}) == ()
