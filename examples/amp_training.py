@@ -85,7 +85,7 @@ def step(model: MoE, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tenso
 
 def main() -> None:
     scoped, hand = build()
-    print(f"router wrapper: autocast={scoped.router._self_autocast.mode}, precision {scoped.router._self_precision}")
+    print(f"router wrapper: {repr(scoped.router).splitlines()[0]}")
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (scoped, hand)]
     g = torch.Generator().manual_seed(1)
     x = torch.randn(16, WIDTH, generator=g)

@@ -112,7 +112,8 @@ def test_aoti_package() -> None:
 
 def test_amp_training() -> None:
     out = run_example("amp_training.py")
-    assert "router wrapper: autocast=False, precision Fp32Precision(matmul='highest', cudnn_allow_tf32=False)" in out
+    router = "Fp32ScopedModule(precision=Fp32Precision(matmul='highest', cudnn_allow_tf32=False), name='Router'"
+    assert f"router wrapper: {router}, backward=True, autocast=False," in out
     assert out.count("router weights torch.float32") == 10
     assert out.count("equal to the hand-written stack (outputs, gradients, parameters): True") == 5
     assert "the loss went down" in out
