@@ -61,12 +61,13 @@ def _device_types() -> tuple[str, ...]:
     # The common ones first: a call stops looking once no autocast is left on.
     candidates = ["cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "xla", "ipu"]
     candidates.append(torch._C._get_privateuse1_backend_name())
+    is_available = getattr(torch._C, "_is_autocast_available", None)
     found = []
     for name in dict.fromkeys(candidates):
         try:
-            available = torch._C._is_autocast_available(name)
-            _is_enabled(name)
-        except (RuntimeError, AttributeError):
+            _is_enabled(name)  # raises for a device type autocast does not know
+            available = is_available(name) if is_available is not None else True
+        except RuntimeError:
             continue
         if available:
             found.append(name)
