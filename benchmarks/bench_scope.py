@@ -20,6 +20,7 @@ import torch
 
 import fp32scope
 from fp32scope import Fp32Precision, Fp32ScopedModule, _flags, fp32_precision_scope, with_fp32_precision
+from fp32scope._autocast import any_autocast
 from fp32scope._trampoline import active_callback
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -134,6 +135,28 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         with no_grad, reused:
             bare_module()
 
+    class TinyArg(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> None:
+            del x
+
+    bare_arg = TinyArg()
+    autocast_off = Fp32ScopedModule(bare_arg, full, autocast=False)
+    bf16 = torch.zeros(1, dtype=torch.bfloat16)
+    bf16_autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+
+    def call_autocast_off() -> None:
+        with no_grad, bf16_autocast:
+            autocast_off(bf16)
+
+    def by_hand_autocast_off() -> None:
+        # What a hand-written float32 sub-module does: autocast off, the input cast, the scope.
+        with no_grad, bf16_autocast, torch.autocast("cpu", enabled=False), reused:
+            bare_arg(bf16.float())
+
+    def autocast_only() -> None:
+        with no_grad, bf16_autocast:
+            noop()
+
     cases: dict[str, Callable[[], object]] = {
         "bare no-op call": noop,
         "floor: raw _C calls of an exact switch, inline": floor_switch_both,
@@ -151,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         # Part of every wrapper call: whether a compiled caller's Dynamo is active (then the
         # wrapped callable is compiled in the scope; see fp32scope._trampoline).
         "reading Dynamo's frame callback (one C call)": active_callback,
+        # Part of every wrapper call: whether any autocast is on (then see fp32scope._autocast).
+        "reading whether any autocast is on (one C call)": any_autocast,
+        "no_grad + torch.autocast('cpu', bf16) around a no-op": autocast_only,
+        "Fp32ScopedModule(autocast=False) under no_grad + autocast, one bf16 argument": call_autocast_off,
+        "by hand: autocast(enabled=False) + x.float() + reused scope, same call": by_hand_autocast_off,
     }
     # Interleave repeats across cases so that a noisy stretch hits every case alike.
     samples: dict[str, list[float]] = {name: [] for name in cases}
@@ -203,11 +231,22 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     print(f"  decorator on top of the scope around the same call {decorated_over:.1f}")
     callback = med["reading Dynamo's frame callback (one C call)"]
     print(f"  of which reading Dynamo's frame callback (the call itself, not minus the bare call) {callback:.1f}")
+    autocast_read = med["reading whether any autocast is on (one C call)"]
+    print(f"  of which reading whether autocast is on (likewise) {autocast_read:.1f}")
+    autocast_region = med["no_grad + torch.autocast('cpu', bf16) around a no-op"]
+    off_over = med["Fp32ScopedModule(autocast=False) under no_grad + autocast, one bf16 argument"] - autocast_region
+    hand_over = med["by hand: autocast(enabled=False) + x.float() + reused scope, same call"] - autocast_region
+    print(f"  autocast=False call under autocast (minus the autocast region) {off_over:.1f}; by hand {hand_over:.1f}")
     print("ratios:")
     for name, value in ratios.items():
         print(f"  {name}: {value:.2f}")
     if args.json:
-        figures = {"proxy_over_ns": proxy_over, "proxy_no_grad_over_ns": proxy_no_grad_over}
+        figures = {
+            "proxy_over_ns": proxy_over,
+            "proxy_no_grad_over_ns": proxy_no_grad_over,
+            "autocast_off_over_ns": off_over,
+            "autocast_off_by_hand_over_ns": hand_over,
+        }
         print(json.dumps({"median_ns": med, "ratios": ratios, **figures}, indent=2))
     return 0
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from fp32scope._cuda_graphs import CapturedCudaGraph, capture_cuda_graph
     from fp32scope._decorator import with_fp32_precision
     from fp32scope._errors import (
+        Fp32AutocastWarning,
         Fp32BackwardNotScopedWarning,
         Fp32EagerFallbackWarning,
         Fp32FlagsChangedWarning,
@@ -41,6 +42,7 @@ _HOMES = {
     "CapturedCudaGraph": "_cuda_graphs",
     "capture_cuda_graph": "_cuda_graphs",
     "with_fp32_precision": "_decorator",
+    "Fp32AutocastWarning": "_errors",
     "Fp32BackwardNotScopedWarning": "_errors",
     "Fp32EagerFallbackWarning": "_errors",
     "Fp32FlagsChangedWarning": "_errors",
@@ -78,6 +80,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CapturedCudaGraph",
+    "Fp32AutocastWarning",
     "Fp32BackwardNotScopedWarning",
     "Fp32EagerFallbackWarning",
     "Fp32FlagsChangedWarning",

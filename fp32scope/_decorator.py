@@ -10,7 +10,9 @@ from typing import Any, TypeVar
 import torch
 
 from fp32scope import _dynamo_exclude
+from fp32scope._autocast import AutocastPolicy, any_autocast, check_autocast, run_under_autocast, warn_cublas_override
 from fp32scope._backward import call_recorded, grad_enabled, recording_scope
+from fp32scope._node import declared_autocast
 from fp32scope._precision import Fp32Precision, check_backward, check_precision
 from fp32scope._proxy import Fp32ScopedModule
 from fp32scope._scope import fp32_precision_scope, split, wrapper_scope
@@ -43,14 +45,18 @@ def _refuse_suspending(target: Callable[..., Any], name: str) -> None:
 
 
 def with_fp32_precision(
-    precision: Fp32Precision | None, *, name: str | None = None, backward: bool = True
+    precision: Fp32Precision | None,
+    *,
+    name: str | None = None,
+    backward: bool = True,
+    autocast: bool | None = None,
 ) -> Callable[[F], F]:
     """A decorator that runs every call of its target inside ``fp32_precision_scope(precision)``.
 
     ``precision`` is checked now, so a bad one fails when the decorator is made, not at
     the first call. With None, or both fields None, the decorator returns its target
-    unchanged. A ``torch.nn.Module`` (a ``torch.compile``'d one included) becomes an
-    :class:`~fp32scope.Fp32ScopedModule`. Any other callable (a function, a
+    unchanged (unless ``autocast`` is False). A ``torch.nn.Module`` (a
+    ``torch.compile``'d one included) becomes an :class:`~fp32scope.Fp32ScopedModule`. Any other callable (a function, a
     ``torch.compile``'d function, a method in a class body, a callable object) becomes a
     function that keeps ``__wrapped__``, ``__name__``, ``__qualname__``, ``__doc__`` and the
     signature, and binds as a method. Coroutine, async generator and generator functions are
@@ -62,6 +68,13 @@ def with_fp32_precision(
     including nodes that use tensors the function reaches by closure (leaves such as
     parameters; see the training guide for the limits); ``backward=False`` keeps the
     wrapper forward-only.
+
+    ``autocast`` says what a call under ``torch.autocast`` does, as for
+    :class:`~fp32scope.Fp32ScopedModule`: False runs the target with autocast off and its
+    floating-point tensor arguments cast to float32; True keeps the caller's autocast;
+    None (the default) keeps it, warning once (:class:`~fp32scope.Fp32AutocastWarning`)
+    if ``precision`` asks for full float32. A module target's own ``autocast``
+    declaration counts where the argument is None.
 
     Apply it to the compiled callable, never inside it: Dynamo cannot trace a flag change.
     A target that is not compiled already and is called from compiled code, or whose
@@ -81,6 +94,7 @@ def with_fp32_precision(
         msg = f"name must be a str or None; got {name!r} of type {type(name).__name__}."
         raise TypeError(msg)
     check_backward(backward)
+    mode = check_autocast(autocast)
     fields = split(checked)
 
     def decorate(target: F) -> F:
@@ -88,28 +102,36 @@ def with_fp32_precision(
             msg = f"with_fp32_precision(...) must decorate a callable; got {target!r} of type {type(target).__name__}."
             raise TypeError(msg)
         label = name if name is not None else getattr(target, "__qualname__", type(target).__qualname__)
-        if fields is None:
+        is_module = isinstance(target, torch.nn.Module)
+        effective = declared_autocast(label, target) if is_module and mode is None else mode
+        if fields is None and effective is not False:
             return target  # no scope, so nothing can leak across a suspension point
         _refuse_suspending(target, label)
-        if isinstance(target, torch.nn.Module):
-            return Fp32ScopedModule(target, checked, name=label, backward=backward)  # type: ignore[return-value]
+        if is_module:
+            return Fp32ScopedModule(target, checked, name=label, backward=backward, autocast=mode)  # type: ignore[return-value]
         _dynamo_exclude.ensure()
         trampoline = trampoline_for(target, label)
-        return _scoped_function(target, wrapper_scope(checked, label), checked, backward, trampoline)  # type: ignore[return-value]
+        policy = AutocastPolicy(mode, checked, label)
+        warn_cublas_override(checked, label)
+        return _scoped_function(target, wrapper_scope(checked, label), checked, backward, trampoline, policy)  # type: ignore[return-value]
 
     return decorate
 
 
-def _scoped_function(
+def _scoped_function(  # noqa: PLR0913, PLR0917  (private; built once per wrapper)
     target: Callable[..., Any],
     scope: fp32_precision_scope,
     precision: Fp32Precision | None,
     backward: bool,
     trampoline: Callable[..., Any] | None,
+    policy: AutocastPolicy,
 ) -> Callable[..., Any]:
     record_scope = recording_scope(scope)
 
     def scoped(*args: Any, **kwargs: Any) -> Any:
+        # Under torch.autocast: warn, or call again with autocast off (one C call outside).
+        if any_autocast() and policy.action is not None:
+            return run_under_autocast(policy, scoped, args, kwargs)
         if grad_enabled() and backward:
             fn = compiled_call(target, trampoline) if active_callback() else target
             return call_recorded(record_scope, fn, args, kwargs)
@@ -129,4 +151,7 @@ def _scoped_function(
 
 
 # Every closure made by _scoped_function shares one code object: skip it once.
-_dynamo_exclude.exclude(_scoped_function(print, fp32_precision_scope(None), None, False, None), graph_break=False)
+_dynamo_exclude.exclude(
+    _scoped_function(print, fp32_precision_scope(None), None, False, None, AutocastPolicy(True, None, "")),
+    graph_break=False,
+)

@@ -14,7 +14,9 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import sys
+from collections.abc import Mapping
 
 import torch
 
@@ -22,7 +24,18 @@ from fp32scope import _flags
 from fp32scope._compat import cpu_capability
 from fp32scope._dynamo_exclude import dynamo_resets_medium
 
-__all__ = ["DESCRIPTION", "EPILOG", "CudaDevice", "Diagnosis", "Problem", "add_arguments", "diagnose", "render", "run"]
+__all__ = [
+    "DESCRIPTION",
+    "EPILOG",
+    "CudaDevice",
+    "Diagnosis",
+    "Problem",
+    "add_arguments",
+    "diagnose",
+    "environment_overrides",
+    "render",
+    "run",
+]
 
 Reading = str | bool
 
@@ -79,6 +92,8 @@ class Diagnosis:
     fix: str | None
     #: Whether a Dynamo compile turns "medium" into "high" here (None: the probe could not compile).
     dynamo_resets_medium: bool | None = None
+    #: The environment variables set here that override the TF32 flags, each with what it does.
+    overrides: tuple[str, ...] = ()
 
     @property
     def consistent(self) -> bool:
@@ -223,6 +238,7 @@ def diagnose() -> Diagnosis:
         problems=tuple(problems),
         fix=_fix(problems, str(effective.matmul), bool(effective.cudnn_allow_tf32)),
         dynamo_resets_medium=dynamo_resets_medium(),
+        overrides=environment_overrides(os.environ),
     )
 
 
@@ -272,6 +288,10 @@ def render(diagnosis: Diagnosis) -> str:
     lines.append(f"effective (fp32scope.current_fp32_precision()): {d.effective}")
     lines.append(_DYNAMO_LINES[d.dynamo_resets_medium])
     lines.append("")
+    if d.overrides:
+        lines.append(f"TF32 OVERRIDDEN by the environment: {len(d.overrides)} variable(s):")
+        lines.extend(f"  - {message}" for message in d.overrides)
+        lines.append("")
     if d.consistent:
         lines.append("consistent: the legacy and new readings agree and no getter raises.")
     else:
@@ -279,6 +299,32 @@ def render(diagnosis: Diagnosis) -> str:
         lines.extend(f"  {i}. {p.message}" for i, p in enumerate(d.problems, 1))
         lines.append(f"fix: {d.fix}")
     return "\n".join(lines)
+
+
+def environment_overrides(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """What each TF32 override set in ``environ`` does to scoped nodes (empty when none is set).
+
+    ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` (torch reads "1" as on) and
+    ``NVIDIA_TF32_OVERRIDE=0`` (NVIDIA's libraries read only "0") override the flags that
+    scopes set; other values change nothing and are not reported.
+    """
+    from fp32scope._autocast import CUBLAS_OVERRIDE, NVIDIA_OVERRIDE
+
+    found = []
+    if environ.get(CUBLAS_OVERRIDE) == "1":
+        found.append(
+            f"{CUBLAS_OVERRIDE}=1: torch lets cuBLAS use TF32 for every float32 matmul on CUDA, whatever the "
+            "matmul precision says: a scoped node that asks for 'highest' runs its CUDA matmuls in TF32 (cuDNN "
+            "is not affected). It also makes torch.get_float32_matmul_precision() read 'high' in a process that "
+            "has set no precision yet. Unset it wherever a node needs full float32."
+        )
+    if environ.get(NVIDIA_OVERRIDE) == "0":
+        found.append(
+            f"{NVIDIA_OVERRIDE}=0: cuBLAS and cuDNN never use TF32, whatever torch asks: every node, scoped "
+            "'high' or 'medium' and the process default included, runs its CUDA float32 matmuls and convolutions "
+            "in full float32 (exact, but slower on GPUs with TF32). Unset it to let the precisions apply."
+        )
+    return tuple(found)
 
 
 #: The ``doctor --help`` text: plain text for a terminal.
@@ -299,7 +345,9 @@ It also says whether torch.compile turns a "medium" matmul precision into
 #: The ``doctor --help`` closing lines.
 EPILOG = """\
 exit status: 0 when the state is consistent; 1 when it is mixed (the two APIs
-disagree); 2 for a bad option, or a --import module that does not import."""
+disagree) or an environment variable overrides the TF32 flags
+(TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, NVIDIA_TF32_OVERRIDE=0);
+2 for a bad option, or a --import module that does not import."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -334,4 +382,4 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(diagnosis.as_json(), indent=2))
     else:
         print(render(diagnosis))
-    return 0 if diagnosis.consistent else 1
+    return 0 if diagnosis.consistent and not diagnosis.overrides else 1

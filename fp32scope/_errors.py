@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["Fp32BackwardNotScopedWarning", "Fp32EagerFallbackWarning", "Fp32FlagsChangedWarning", "Fp32ScopeError"]
+__all__ = [
+    "Fp32AutocastWarning",
+    "Fp32BackwardNotScopedWarning",
+    "Fp32EagerFallbackWarning",
+    "Fp32FlagsChangedWarning",
+    "Fp32ScopeError",
+]
 
 
 class Fp32ScopeError(RuntimeError):
@@ -50,6 +56,19 @@ class Fp32EagerFallbackWarning(UserWarning):
     (``with_fp32_precision(precision)(torch.compile(fn))``,
     ``Fp32ScopedModule(torch.compile(module), precision)``), or make the part a scoped
     child of the compiled model.
+    """
+
+
+class Fp32AutocastWarning(UserWarning):
+    """A scoped node that asks for full float32 runs under ``torch.autocast``.
+
+    Autocast casts matmuls and convolutions to its dtype (bf16, fp16) whatever the float32
+    precision flags say, so a node scoped to ``"highest"`` or ``cudnn_allow_tf32=False``
+    would compute them in that dtype. Warned once per wrapper, at its first call under
+    autocast, when the wrapper's ``autocast`` is None (the default). Wrap the node with
+    ``autocast=False`` to run it in float32 (autocast off inside it, its floating-point
+    arguments cast to float32), or with ``autocast=True`` to keep the caller's autocast
+    silently.
     """
 
 

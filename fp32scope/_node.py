@@ -50,3 +50,21 @@ def node_fp32_precision(node_name: str, submodule: object) -> Fp32Precision | No
     if matmul is None and cudnn is None:
         return None
     return Fp32Precision(matmul, cudnn)
+
+
+#: The attribute name a module uses to declare what it does under ``torch.autocast``.
+AUTOCAST_ATTRIBUTE = "autocast"
+
+
+def declared_autocast(node_name: str, submodule: object) -> bool | None:
+    """What ``submodule`` declares for ``torch.autocast`` (its ``autocast`` attribute), checked; None if nothing.
+
+    ``autocast = False`` (a class or instance attribute, beside
+    ``float32_matmul_precision``) makes the module's wrapper run it without the caller's
+    autocast, ``True`` keeps the caller's autocast; see :class:`~fp32scope.Fp32ScopedModule`.
+    A bad value raises :class:`TypeError` naming ``node_name`` and the attribute.
+    """
+    from fp32scope._autocast import check_autocast
+
+    value = getattr(_unwrap(submodule), AUTOCAST_ATTRIBUTE, None)
+    return check_autocast(value, field=AUTOCAST_ATTRIBUTE, node=node_name)

@@ -10,7 +10,9 @@ import torch
 import wrapt
 
 from fp32scope import _dynamo_exclude
+from fp32scope._autocast import AutocastPolicy, any_autocast, check_autocast, run_under_autocast, warn_cublas_override
 from fp32scope._backward import call_recorded, grad_enabled, recording_scope
+from fp32scope._node import declared_autocast
 from fp32scope._precision import Fp32Precision, check_backward, check_precision
 from fp32scope._scope import fp32_precision_scope, wrapper_scope
 from fp32scope._trampoline import active_callback, compiled_call, trampoline_for
@@ -43,8 +45,9 @@ def _rebuild(
     precision: Fp32Precision | None,
     name: str,
     backward: bool = True,  # noqa: FBT002  (pickles from fp32scope 0.1 carry three arguments)
+    autocast: bool | None = None,  # (and four, before autocast)
 ) -> Fp32ScopedModule:
-    return Fp32ScopedModule(module, precision, name=name, backward=backward)
+    return Fp32ScopedModule(module, precision, name=name, backward=backward, autocast=autocast)
 
 
 def _default_name(module: object) -> str:
@@ -85,10 +88,21 @@ class Fp32ScopedModule(_ProxyBase):
     ``backward=False`` keeps the proxy forward-only. Under ``torch.no_grad()`` and
     ``torch.inference_mode()`` nothing is recorded.
 
+    Under ``torch.autocast`` (see the mixed precision guide): ``autocast=False`` runs
+    each call with autocast off on every device type where the caller has it on, the
+    call's floating-point tensor arguments of those device types cast to float32 first (as
+    ``torch.amp.custom_fwd(cast_inputs=torch.float32)`` does), and the caller's autocast
+    back afterwards; ``autocast=True`` keeps the caller's autocast; None (the default)
+    takes what the wrapped module declares with an ``autocast`` attribute (a bool, beside
+    ``float32_matmul_precision``), and where it declares nothing keeps the caller's
+    autocast, warning once (:class:`~fp32scope.Fp32AutocastWarning`) if ``precision`` asks
+    for full float32 (matmul ``"highest"`` or ``cudnn_allow_tf32=False``). Outside
+    autocast none of this costs more than one check.
+
     ``precision`` is checked here; None or an all-None precision makes a proxy that adds
-    no scope. ``name`` (default: the wrapped module's class name) appears in errors and
-    warnings. Read the precision back with :func:`precision_of`; the bare module is
-    ``__wrapped__``.
+    no scope (with ``autocast=False`` it still turns autocast off). ``name`` (default: the
+    wrapped module's class name) appears in errors and warnings. Read the precision back
+    with :func:`precision_of`; the bare module is ``__wrapped__``.
     """
 
     def __init__(
@@ -100,6 +114,7 @@ class Fp32ScopedModule(_ProxyBase):
         *,
         name: str | None = None,
         backward: bool = True,
+        autocast: bool | None = None,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             msg = (
@@ -112,21 +127,31 @@ class Fp32ScopedModule(_ProxyBase):
             msg = f"name must be a str or None; got {name!r} of type {type(name).__name__}."
             raise TypeError(msg)
         check_backward(backward)
+        label = name if name is not None else _default_name(module)
+        mode = check_autocast(autocast)
+        if mode is None:
+            mode = declared_autocast(label, module)
         _dynamo_exclude.ensure()
         super().__init__(module)
         self._self_precision = checked
-        self._self_name = name if name is not None else _default_name(module)
+        self._self_name = label
         self._self_scope = wrapper_scope(checked, self._self_name)
         # Whether calls that record autograd history also scope their backward.
         self._self_backward = backward and self._self_scope._fields is not None
         self._self_record_scope = recording_scope(self._self_scope)
         # What a compiling caller's Dynamo converts instead of the module (see _trampoline).
         self._self_trampoline = trampoline_for(module, self._self_name)
+        # What a call under torch.autocast does (see _autocast).
+        self._self_autocast = AutocastPolicy(mode, checked, label)
+        warn_cublas_override(checked, label)
 
     # ``self`` is positional-only so that a keyword argument named "self" still reaches
     # the module (wrapt's CallableObjectProxy gets the same by unpacking *args, which costs
     # a list on every call).
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        # Under torch.autocast: warn, or call again with autocast off (one C call outside).
+        if any_autocast() and self._self_autocast.action is not None:
+            return run_under_autocast(self._self_autocast, self, args, kwargs)
         if grad_enabled() and self._self_backward:  # no_grad / inference_mode: one C call
             fn = self.__wrapped__
             if active_callback():
@@ -158,9 +183,10 @@ class Fp32ScopedModule(_ProxyBase):
     def forward(self) -> Callable[..., Any]:
         """The wrapped module's ``forward``, run inside the scope."""
         forward: Callable[..., Any] = self.__wrapped__.forward
-        if self._self_precision is None or self._self_precision.is_noop:
+        policy = self._self_autocast
+        if (self._self_precision is None or self._self_precision.is_noop) and policy.action is None:
             return forward
-        return _scoped_forward(forward, self._self_scope, self._self_backward, self._self_record_scope)
+        return _scoped_forward(forward, self._self_scope, self._self_backward, self._self_record_scope, policy)
 
     @forward.setter
     def forward(self, value: Callable[..., Any]) -> None:
@@ -188,20 +214,33 @@ class Fp32ScopedModule(_ProxyBase):
     def __repr__(self) -> str:
         return (
             f"Fp32ScopedModule(precision={self._self_precision!r}, name={self._self_name!r}, "
-            f"backward={self._self_backward!r},\n"
+            f"backward={self._self_backward!r}, autocast={self._self_autocast.mode!r},\n"
             f"  module={self.__wrapped__!r})"
         )
 
     def __copy__(self) -> Fp32ScopedModule:
-        return _rebuild(copy.copy(self.__wrapped__), self._self_precision, self._self_name, self._self_backward)
+        return _rebuild(
+            copy.copy(self.__wrapped__),
+            self._self_precision,
+            self._self_name,
+            self._self_backward,
+            self._self_autocast.mode,
+        )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Fp32ScopedModule:
         return _rebuild(
-            copy.deepcopy(self.__wrapped__, memo), self._self_precision, self._self_name, self._self_backward
+            copy.deepcopy(self.__wrapped__, memo),
+            self._self_precision,
+            self._self_name,
+            self._self_backward,
+            self._self_autocast.mode,
         )
 
     def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
-        return (_rebuild, (self.__wrapped__, self._self_precision, self._self_name, self._self_backward))
+        return (
+            _rebuild,
+            (self.__wrapped__, self._self_precision, self._self_name, self._self_backward, self._self_autocast.mode),
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
         return self.__reduce_ex__(2)
@@ -230,8 +269,11 @@ def _scoped_forward(
     scope: fp32_precision_scope,
     backward: bool,
     record_scope: fp32_precision_scope,
+    policy: AutocastPolicy,
 ) -> Callable[..., Any]:
     def scoped_forward(*args: Any, **kwargs: Any) -> Any:
+        if any_autocast() and policy.action is not None:
+            return run_under_autocast(policy, scoped_forward, args, kwargs)
         if grad_enabled() and backward:
             return call_recorded(record_scope, forward, args, kwargs)
         with scope:
@@ -245,7 +287,10 @@ def _scoped_forward(
 # Every closure of _scoped_forward shares one code object: marking one covers them all.
 _dynamo_exclude.exclude(Fp32ScopedModule.__call__)
 _dynamo_exclude.exclude(
-    _scoped_forward(print, fp32_precision_scope(None), False, fp32_precision_scope(None)), graph_break=False
+    _scoped_forward(
+        print, fp32_precision_scope(None), False, fp32_precision_scope(None), AutocastPolicy(True, None, "")
+    ),
+    graph_break=False,
 )
 
 

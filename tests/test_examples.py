@@ -35,6 +35,7 @@ def test_every_example_is_tested() -> None:
     tested |= {"fsdp2_training.py"}  # in test_sharded.py
     tested |= {"aoti_package.py"}
     tested |= {"training_loop.py"}
+    tested |= {"amp_training.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -107,3 +108,12 @@ def test_aoti_package() -> None:
     for mode in ("grad", "no_grad", "inference_mode"):
         assert f"call under {mode:<15} ran in Fp32Precision(matmul='highest', cudnn_allow_tf32=False)" in out
     assert "after the calls the default is back: Fp32Precision(matmul='medium', cudnn_allow_tf32=True)" in out
+
+
+def test_amp_training() -> None:
+    out = run_example("amp_training.py")
+    router = "Fp32ScopedModule(precision=Fp32Precision(matmul='highest', cudnn_allow_tf32=False), name='Router'"
+    assert f"router wrapper: {router}, backward=True, autocast=False," in out
+    assert out.count("router weights torch.float32") == 10
+    assert out.count("equal to the hand-written stack (outputs, gradients, parameters): True") == 5
+    assert "the loss went down" in out
