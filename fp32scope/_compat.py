@@ -25,6 +25,7 @@ __all__ = [
     "DYNAMO_RESETS_MEDIUM",
     "DYNAMO_TRACES_SCOPES_MADE_INSIDE",
     "ENGINE_RUN_BACKWARD",
+    "EXPORT_HOLDS_AUTOCAST_REGIONS",
     "HAS_BFX9",
     "HAS_IS_EXPORTING",
     "HAS_PER_BACKEND_API",
@@ -167,6 +168,23 @@ ENGINE_RUN_BACKWARD: Final[Callable[..., Any] | None] = getattr(torch.autograd.g
 CURRENT_GRAPH_TASK_KEEPS_GRAPH: Final[Callable[[], bool] | None] = getattr(
     _C._autograd, "_get_current_graph_task_keep_graph", None
 )
+
+
+# -- export ------------------------------------------------------------------------------
+
+
+def _export_holds_autocast_regions() -> bool:
+    try:
+        from torch._higher_order_ops import wrap
+    except ImportError:  # pragma: no cover
+        return False
+    return hasattr(wrap, "wrap_with_autocast")
+
+
+#: Whether torch.export records an autocast region (``torch.autocast(..., enabled=False)``
+#: inside the exported code) as a ``wrap_with_autocast`` higher-order op (torch >= 2.5);
+#: torch 2.4's export fails on such a region ("Node arity mismatch").
+EXPORT_HOLDS_AUTOCAST_REGIONS: Final[bool] = _export_holds_autocast_regions()
 
 
 # -- other -------------------------------------------------------------------------------

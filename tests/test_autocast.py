@@ -31,6 +31,7 @@ from fp32scope import (
     Fp32Precision,
     Fp32ScopedModule,
     _autocast,
+    _compat,
     current_fp32_precision,
     fp32_precision_scope,
     with_fp32_precision,
@@ -498,7 +499,8 @@ def test_scoped_child_of_a_compiled_parent_matches_the_eager_hand_written_stack(
     # router as a graph of its own.
     codes = [gm.code for gm in graphs]
     assert len(codes) == 3, codes
-    assert sum("modules_lin_parameters_weight" in code for code in codes) == 1, codes
+    # The router's Linear: inlined as its parameter (torch >= 2.5), a call_module before.
+    assert sum("modules_lin_parameters_weight" in code or "L__fn___lin(" in code for code in codes) == 1, codes
 
 
 @pytest.mark.compile
@@ -511,6 +513,10 @@ def test_compiled_node_matches_the_eager_hand_written_stack() -> None:
     assert_same_steps(train(wrapped), train(hand))
 
 
+@pytest.mark.skipif(
+    not _compat.EXPORT_HOLDS_AUTOCAST_REGIONS,
+    reason=f"torch {_compat.TORCH_RELEASE} cannot export an autocast region (no wrap_with_autocast; torch >= 2.5)",
+)
 def test_export_under_autocast_holds_an_autocast_off_region() -> None:
     # A node without a precision exports (one with a precision is exported bare and saved
     # with it, see the export guide): the program holds the autocast-off region, as the
