@@ -30,6 +30,7 @@ FULL = Fp32Precision("highest", False)
 HIGHEST = Fp32Precision("highest")
 DEFAULT = Fp32Precision("high", True)
 SEEN: list[tuple[str, str]] = []
+WIDTH = 8  # what tests.test_compiled_children.run feeds
 
 
 class Probe(torch.nn.Linear):
@@ -585,3 +586,106 @@ def test_hugging_face_gpt2_scoped_attention_runs_in_its_precision() -> None:
         model(torch.tensor([[1, 2, 3]]))
     assert seen == ["highest", "high"]
     assert unscope_modules(model) == ["transformer.h.0.attn", "transformer.h.1.attn", "lm_head"]
+
+
+# -- compiled: torch.compile(model) after scoping, and a parent calling child.forward() ----------
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class Chain(torch.nn.Module):
+    """pre -> block -> post, each called once (no loop over scoped children)."""
+
+    def __init__(self, block: Callable[[], torch.nn.Module]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = torch.nn.Linear(WIDTH, WIDTH)
+        self.block = block()
+        self.post = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.post(self.block(self.pre(x)))
+        return out
+
+
+class CallsForward(Chain):
+    """The same chain whose forward calls ``self.block.forward(...)`` instead of ``self.block(...)``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.post(self.block.forward(self.pre(x)))
+        return out
+
+
+class UserBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inner(x))
+
+
+BLOCKS: dict[str, Callable[[], torch.nn.Module]] = {"user-module": UserBlock, "nn.Linear": lambda: torch.nn.Linear(WIDTH, WIDTH)}
+
+
+@pytest.mark.compile
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("parent", [Chain, CallsForward], ids=["child(x)", "child.forward(x)"])
+@pytest.mark.parametrize("kind", list(BLOCKS))
+def test_compiling_the_scoped_model_compiles_each_node_in_its_precision(
+    kind: str, parent: type[Chain], grad: bool
+) -> None:
+    from tests.test_compiled_children import Recording, check_dynamo_never_failed_in_the_package, run
+
+    model = parent(BLOCKS[kind])
+    control = parent(BLOCKS[kind])
+    assert scope_modules(model, {"block": FULL}) == {"block": FULL}
+    recording = Recording()
+    compiled = torch.compile(model, backend=recording.backend())
+    run(compiled, control, grad=grad)  # the same outputs as the unscoped model; no recompiles
+    # pre, block, post: three graphs; only the block's compiled in its precision.
+    assert sorted(recording.forward) == ["high", "high", "highest"], recording.forward
+    assert recording.forward[1] == "highest"
+    assert sorted(recording.backward) == (["high", "high", "highest"] if grad else [])
+    check_dynamo_never_failed_in_the_package()
+
+
+@pytest.mark.compile
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_parent_reads_a_scoped_childs_attributes() -> None:
+    class ReadsWeight(Chain):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.post(self.block(self.pre(x)) * self.block.weight.sum())
+            return out
+
+    model = ReadsWeight(lambda: torch.nn.Linear(WIDTH, WIDTH))
+    control = ReadsWeight(lambda: torch.nn.Linear(WIDTH, WIDTH))
+    scope_modules(model, {"block": FULL})
+    from tests.test_compiled_children import run
+
+    run(torch.compile(model, backend="eager"), control, grad=True)
+    model.block.weight.data.mul_(2)  # an in-place change: read afresh, not baked in
+    control.block.weight.data.mul_(2)
+    x = torch.randn(2, WIDTH)
+    torch.testing.assert_close(torch.compile(model, backend="eager")(x), control(x))
+
+
+def test_the_proxys_dict_is_its_own_and_the_modules_stays_the_modules() -> None:
+    module = torch.nn.Linear(WIDTH, WIDTH)
+    proxy = Fp32ScopedModule(module, FULL)
+    assert vars(proxy) is not vars(module)
+    assert "weight" not in vars(proxy)
+    assert callable(vars(proxy)["forward"])
+    proxy.extra = 5  # attribute writes still reach the module
+    assert vars(module)["extra"] == 5
+    assert "extra" not in vars(proxy)
+    assert "forward" not in vars(Fp32ScopedModule(module, None))
