@@ -528,8 +528,6 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError, TypeError) as error:
             print(f"fp32scope demo: --policy {args.policy}: {error}", file=sys.stderr)
             return 2
-    result = run_demo(
-        default=args.default, backend=args.backend, device=args.device, steps=args.steps, policy=policy
-    )
+    result = run_demo(default=args.default, backend=args.backend, device=args.device, steps=args.steps, policy=policy)
     print(json.dumps(result.as_json(), indent=2) if args.json else render(result))
     return 0 if result.ok else 1

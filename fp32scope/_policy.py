@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, NamedTuple, TypeAlias, cast
 
 import torch
 
@@ -48,14 +48,17 @@ def _bare(module: torch.nn.Module) -> torch.nn.Module:
         if isinstance(module, Fp32ScopedModule):
             module = module.__wrapped__
         elif optimized is not None and isinstance(module, optimized):
-            module = module._orig_mod
+            module = cast("torch.nn.Module", module._orig_mod)
         else:
             return module
 
 
 def _root(model: object) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
-        msg = f"model must be a torch.nn.Module (a torch.compile'd one included); got {model!r} of type {type(model).__name__}."
+        msg = (
+            f"model must be a torch.nn.Module (a torch.compile'd one included); got {model!r} of type "
+            f"{type(model).__name__}."
+        )
         raise TypeError(msg)
     # Through a torch.compile'd model to what it compiles, and through a hand-made wrapper
     # of the whole model: their submodules are the model's.
@@ -228,31 +231,33 @@ def _root_error(model: torch.nn.Module, what: str) -> ValueError:
     )
 
 
-def _plan(root: torch.nn.Module, policy: object) -> list[tuple[_Slot, Fp32Precision]]:
-    """What to scope: each slot and its precision, checked before anything changes."""
-    slots = _walk(root)
-    decided: list[tuple[_Slot, Fp32Precision | None]] = []
+def _decide(root: torch.nn.Module, slots: list[_Slot], policy: object) -> list[Fp32Precision | None]:
+    """The precision each slot gets (None: none), checked; raises on the root or an unmatched selector."""
     if policy is None:
         if node_fp32_precision("<root>", root) is not None:
             raise _root_error(root, "policy=None selects")
-        decided = [(slot, node_fp32_precision(slot.name, _bare(slot.stored))) for slot in slots]
-    else:
-        checked = _Policy(policy)
-        matched: set[int] = set()
-        root_rule = checked.decide("", root, matched)
-        if root_rule is not None:
-            raise _root_error(root, f"policy selector {_show(root_rule.selector)} selects")
-        for slot in slots:
-            rule = checked.decide(slot.name, _bare(slot.stored), matched)
-            decided.append((slot, rule.precision if rule is not None else None))
-        unmatched = [_show(rule.selector) for rule in checked.rules if id(rule) not in matched]
-        if unmatched:
-            msg = (
-                f"policy selector(s) {', '.join(unmatched)} match no submodule of "
-                f"{type(root).__name__}; names are those of model.named_modules() (e.g. "
-                f"{', '.join(repr(slot.name) for slot in slots[:3]) or 'none: the model has no submodules'})."
-            )
-            raise ValueError(msg)
+        return [node_fp32_precision(slot.name, _bare(slot.stored)) for slot in slots]
+    checked = _Policy(policy)
+    matched: set[int] = set()
+    root_rule = checked.decide("", root, matched)
+    if root_rule is not None:
+        raise _root_error(root, f"policy selector {_show(root_rule.selector)} selects")
+    rules = [checked.decide(slot.name, _bare(slot.stored), matched) for slot in slots]
+    unmatched = [_show(rule.selector) for rule in checked.rules if id(rule) not in matched]
+    if unmatched:
+        examples = ", ".join(repr(slot.name) for slot in slots[:3]) or "none: the model has no submodules"
+        msg = (
+            f"policy selector(s) {', '.join(unmatched)} match no submodule of {type(root).__name__}; names "
+            f"are those of model.named_modules() (e.g. {examples})."
+        )
+        raise ValueError(msg)
+    return [rule.precision if rule is not None else None for rule in rules]
+
+
+def _plan(root: torch.nn.Module, policy: object) -> list[tuple[_Slot, Fp32Precision]]:
+    """What to scope: each slot and its precision, checked before anything changes."""
+    slots = _walk(root)
+    decided = list(zip(slots, _decide(root, slots, policy), strict=True))
     # One module in several places gets one decision.
     by_module: dict[int, tuple[str, Fp32Precision | None]] = {}
     for slot, precision in decided:

@@ -168,8 +168,23 @@ class Fp32ScopedModule(_ProxyBase):
             marked: Callable[..., Any] = self._self_dict["forward"]
             return marked
         return _scoped_forward(
-            self.__wrapped__.forward, self._self_scope, self._self_backward, self._self_record_scope, self._self_trampoline
+            self.__wrapped__.forward,
+            self._self_scope,
+            self._self_backward,
+            self._self_record_scope,
+            self._self_trampoline,
         )
+
+    @forward.setter
+    def forward(self, value: Callable[..., Any]) -> None:
+        # Assignments such as torch.cuda.make_graphed_callables' ``module.forward = graphed``
+        # must land on the wrapped module, whose __call__ the proxy's __call__ runs;
+        # otherwise calls would keep running the eager forward, silently.
+        self.__wrapped__.forward = value
+
+    @forward.deleter
+    def forward(self) -> None:
+        del self.__wrapped__.forward
 
     # ``parent.child.forward(x)`` in a compiled parent. Dynamo resolves an attribute of the
     # proxy the way Python would for an object of ``proxy.__class__`` (the wrapped module's
@@ -187,17 +202,6 @@ class Fp32ScopedModule(_ProxyBase):
         """The proxy's own attributes; the wrapped module's are ``vars(proxy.__wrapped__)``."""
         own: dict[str, Any] = self._self_dict
         return own
-
-    @forward.setter
-    def forward(self, value: Callable[..., Any]) -> None:
-        # Assignments such as torch.cuda.make_graphed_callables' ``module.forward = graphed``
-        # must land on the wrapped module, whose __call__ the proxy's __call__ runs;
-        # otherwise calls would keep running the eager forward, silently.
-        self.__wrapped__.forward = value
-
-    @forward.deleter
-    def forward(self) -> None:
-        del self.__wrapped__.forward
 
     def __bool__(self) -> bool:
         # Truth is the wrapped module's (wrapt forwards it), with one exception: torch 2.10's

@@ -7,7 +7,7 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -198,6 +198,19 @@ def test_none_excludes_a_module_from_a_broader_selector() -> None:
 
 
 # A model of the rule: which selectors match, and which one decides.
+
+
+def _selector_model(kind: str, value: Any, key: Any) -> Callable[[str, torch.nn.Module], bool]:
+    """Whether the selector of ``kind`` (written ``value``) matches a (name, module)."""
+    if kind == "name":
+        return lambda name, _module: name == value
+    if kind == "re":
+        return lambda name, _module: re.fullmatch(value, name) is not None
+    if kind == "class":
+        return lambda _name, module: isinstance(module, value)
+    return cast("Callable[[str, torch.nn.Module], bool]", key)
+
+
 NAMES = ["embed", "layers", "layers.0", "layers.0.attn", "layers.0.mlp", "layers.0.mlp.0", "heads.out"]
 
 
@@ -231,18 +244,8 @@ def test_precedence_property(selectors: list[tuple[str, Any]], data: st.DataObje
     kinds: list[tuple[str, Callable[[str, torch.nn.Module], bool], str]] = []
     for kind, value in selectors:
         word = data.draw(st.sampled_from(words))
-        if kind == "name":
-            key: Any = value
-            test: Callable[[str, torch.nn.Module], bool] = lambda n, m, v=value: n == v
-        elif kind == "re":
-            key = f"re:{value}"
-            test = lambda n, m, v=value: re.fullmatch(v, n) is not None
-        elif kind == "class":
-            key = value
-            test = lambda n, m, v=value: isinstance(m, v)
-        else:
-            key = predicates[value]
-            test = key
+        key: Any = {"name": value, "re": f"re:{value}", "class": value}.get(kind) or predicates[value]
+        test = _selector_model(kind, value, key)
         policy[key] = word
         kinds.append((kind, test, word))
     modules = dict(model.named_modules())
@@ -255,9 +258,7 @@ def test_precedence_property(selectors: list[tuple[str, Any]], data: st.DataObje
         if hits:
             expected[name] = min(hits)[2]
     root_hit = any(t("", model) for _, t, _ in kinds)
-    unmatched = not root_hit and any(
-        not any(t(n, m) for n, m in modules.items() if n) for _, t, _ in kinds
-    )
+    unmatched = not root_hit and any(not any(t(n, m) for n, m in modules.items() if n) for _, t, _ in kinds)
     before = tree(model)
     if root_hit:
         with pytest.raises(ValueError, match="root module"):
@@ -373,7 +374,7 @@ def test_no_policy_scopes_what_declares_a_precision() -> None:
 
 
 def test_a_bad_declaration_is_named_and_nothing_changes() -> None:
-    model = Model()
+    model: Any = Model()
     model.layers[1].attn.float32_matmul_precision = "fp32"
     before = tree(model)
     with pytest.raises(ValueError, match=re.escape("float32_matmul_precision of node 'layers.1.attn' must be one of")):
@@ -383,7 +384,9 @@ def test_a_bad_declaration_is_named_and_nothing_changes() -> None:
 
 def test_a_root_that_declares_is_not_replaced() -> None:
     model = Head("root")
-    with pytest.raises(ValueError, match=re.escape("Wrap it instead: model = fp32scope.Fp32ScopedModule(model, precision)")):
+    with pytest.raises(
+        ValueError, match=re.escape("Wrap it instead: model = fp32scope.Fp32ScopedModule(model, precision)")
+    ):
         scope_modules(model)
 
 
@@ -393,13 +396,15 @@ def test_a_root_that_declares_is_not_replaced() -> None:
 def test_the_root_cannot_be_selected() -> None:
     model = Model()
     for selector in ("", "re:.*", Model, lambda name, module: not name):
-        with pytest.raises(ValueError, match=r"selects the root module \(Model\).*Fp32ScopedModule\(model, precision\)"):
+        with pytest.raises(
+            ValueError, match=r"selects the root module \(Model\).*Fp32ScopedModule\(model, precision\)"
+        ):
             scope_modules(model, {selector: "highest"})
     assert scoped_modules(model) == {}
 
 
 def test_nested_selections_nest_their_scopes() -> None:
-    model = Model()
+    model: Any = Model()
     scope_modules(model, {"layers.0": "highest", "layers.0.mlp.0": "medium"})
     outer = model.layers[0]
     assert isinstance(outer, Fp32ScopedModule)
@@ -415,13 +420,15 @@ def test_nested_selections_nest_their_scopes() -> None:
 
 
 def test_already_scoped_same_precision_is_left_other_precision_is_an_error() -> None:
-    model = Model()
+    model: Any = Model()
     hand = Fp32ScopedModule(model.embed, HIGHEST, name="mine")
     model.embed = hand
     assert scope_modules(model, {"embed": "highest", "layers.0": "medium"}) == {"layers.0": Fp32Precision("medium")}
     assert model.embed is hand
     before = tree(model)
-    with pytest.raises(ValueError, match=re.escape("module 'embed' is scoped already with Fp32Precision(matmul='highest'")):
+    with pytest.raises(
+        ValueError, match=re.escape("module 'embed' is scoped already with Fp32Precision(matmul='highest'")
+    ):
         scope_modules(model, {"embed": "medium", "layers.1": "medium"})
     assert tree(model) == before
 
@@ -435,8 +442,8 @@ def test_a_compiled_model_is_walked_through() -> None:
 
 
 def test_a_compiled_submodule_is_one_node_with_what_it_compiles() -> None:
-    model = Model()
-    model.embed = torch.compile(model.embed, backend="eager")  # type: ignore[assignment]
+    model: Any = Model()
+    model.embed = torch.compile(model.embed, backend="eager")
     # Its declaration is read through the compiled module; its _orig_mod is not scoped again.
     model.embed.float32_matmul_precision = "highest"  # reaches the Probe
     got = scope_modules(model)
@@ -471,7 +478,7 @@ def test_unscope_puts_the_very_modules_back() -> None:
 
 
 def test_scoped_modules_lists_hand_made_wrappers_too() -> None:
-    model = Model()
+    model: Any = Model()
     model.heads["out"] = Fp32ScopedModule(model.heads["out"], FULL)
     model.embed = Fp32ScopedModule(model.embed, None)
     scope_modules(model, {"layers.1.mlp": "medium"})
@@ -532,17 +539,20 @@ def test_a_parent_calling_a_scoped_childs_forward_runs_it_in_scope() -> None:
 
 # -- Hugging Face --------------------------------------------------------------------------------
 
+
 def _gpt2() -> Any:
     """A tiny GPT-2 with random weights (no download), or a skip that says why there is none."""
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is not installed (the test extra installs it: pip install -e .[test])")
     try:
-        from transformers import GPT2Config, GPT2LMHeadModel
+        transformers = importlib.import_module("transformers")
+        config_class, model_class = transformers.GPT2Config, transformers.GPT2LMHeadModel
     except Exception as error:  # transformers 5.x imports its models only with torch >= 2.6
-        pytest.skip(f"transformers' GPT-2 does not import with torch {TORCH_RELEASE} (transformers 5 needs torch >= 2.6): {error}")
-    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+        reason = f"transformers' GPT-2 does not import with torch {TORCH_RELEASE} (transformers 5 needs torch >= 2.6)"
+        pytest.skip(f"{reason}: {error}")
+    config = config_class(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
-    return GPT2LMHeadModel(config).eval()
+    return model_class(config).eval()
 
 
 HF_POLICY = {"lm_head": "highest", r"re:transformer\.h\.\d+\.attn": {"matmul": "highest", "cudnn_allow_tf32": False}}
@@ -564,6 +574,12 @@ def test_hugging_face_gpt2_saves_and_loads_with_tied_weights(tmp_path: Path) -> 
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected)
     model.save_pretrained(tmp_path / "saved")
+    # The same files as the unscoped model saves.
+    _gpt2().save_pretrained(tmp_path / "bare")
+    saved = sorted(p.name for p in (tmp_path / "saved").iterdir())
+    assert saved == sorted(p.name for p in (tmp_path / "bare").iterdir())
+    for name in saved:
+        assert (tmp_path / "saved" / name).read_bytes() == (tmp_path / "bare" / name).read_bytes(), name
     loaded = type(model).from_pretrained(tmp_path / "saved").eval()
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     assert list(loaded.state_dict()) == keys
@@ -633,7 +649,10 @@ class UserBlock(torch.nn.Module):
         return torch.tanh(self.inner(x))
 
 
-BLOCKS: dict[str, Callable[[], torch.nn.Module]] = {"user-module": UserBlock, "nn.Linear": lambda: torch.nn.Linear(WIDTH, WIDTH)}
+BLOCKS: dict[str, Callable[[], torch.nn.Module]] = {
+    "user-module": UserBlock,
+    "nn.Linear": lambda: torch.nn.Linear(WIDTH, WIDTH),
+}
 
 
 @pytest.mark.compile
@@ -664,7 +683,8 @@ def test_compiling_the_scoped_model_compiles_each_node_in_its_precision(
 def test_a_compiled_parent_reads_a_scoped_childs_attributes() -> None:
     class ReadsWeight(Chain):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = self.post(self.block(self.pre(x)) * self.block.weight.sum())
+            block: Any = self.block
+            out: torch.Tensor = self.post(block(self.pre(x)) * block.weight.sum())
             return out
 
     model = ReadsWeight(lambda: torch.nn.Linear(WIDTH, WIDTH))
@@ -673,15 +693,15 @@ def test_a_compiled_parent_reads_a_scoped_childs_attributes() -> None:
     from tests.test_compiled_children import run
 
     run(torch.compile(model, backend="eager"), control, grad=True)
-    model.block.weight.data.mul_(2)  # an in-place change: read afresh, not baked in
-    control.block.weight.data.mul_(2)
+    for m in (model, control):  # an in-place change: read afresh, not baked in
+        cast("torch.nn.Linear", m.block).weight.data.mul_(2)
     x = torch.randn(2, WIDTH)
     torch.testing.assert_close(torch.compile(model, backend="eager")(x), control(x))
 
 
 def test_the_proxys_dict_is_its_own_and_the_modules_stays_the_modules() -> None:
     module = torch.nn.Linear(WIDTH, WIDTH)
-    proxy = Fp32ScopedModule(module, FULL)
+    proxy: Any = Fp32ScopedModule(module, FULL)
     assert vars(proxy) is not vars(module)
     assert "weight" not in vars(proxy)
     assert callable(vars(proxy)["forward"])
