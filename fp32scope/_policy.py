@@ -324,11 +324,11 @@ def scope_modules(
     False) is checked. Undo with :func:`unscope_modules`; list with :func:`scoped_modules`.
 
     >>> import torch
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    >>> scope_modules(model, {"2": "highest"})
-    {'2': Fp32Precision(matmul='highest', cudnn_allow_tf32=None)}
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    >>> scope_modules(model, {"1": "highest"})
+    {'1': Fp32Precision(matmul='highest', cudnn_allow_tf32=None)}
     >>> unscope_modules(model)
-    ['2']
+    ['1']
     """
     root = _root(model)
     checked_autocast = _check_autocast(autocast)
