@@ -301,7 +301,7 @@ def scope_modules(
     parameters, buffers, ``state_dict`` keys and their order stay as they were.
 
     ``policy`` maps selectors to precisions. A selector is a qualified name (exact match),
-    ``"re:<pattern>"`` (:func:`re.fullmatch` on qualified names), a ``torch.nn.Module``
+    ``"re:<pattern>"`` (``re.fullmatch`` on qualified names), a ``torch.nn.Module``
     subclass (``isinstance``), or a callable ``(name, module) -> bool``. Where several match
     one module, an exact name decides, then a pattern, then a class, then a callable; among
     selectors of one kind, the first in the mapping. A precision is an
