@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, TypeAlias, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -12,11 +12,7 @@ from fp32scope._node import node_fp32_precision
 from fp32scope._precision import Fp32Precision, check_backward, check_cudnn, check_matmul, check_precision
 from fp32scope._proxy import Fp32ScopedModule, precision_of
 
-__all__ = ["Selector", "scope_modules", "scoped_modules", "unscope_modules"]
-
-#: What a policy maps to a precision: a qualified name, ``"re:<pattern>"``, a module class,
-#: or a callable ``(name, module) -> bool``.
-Selector: TypeAlias = "str | type[torch.nn.Module] | Callable[[str, torch.nn.Module], bool]"
+__all__ = ["scope_modules", "scoped_modules", "unscope_modules"]
 
 _PATTERN_PREFIX = "re:"
 _PRECISION_KEYS = ("matmul", "cudnn_allow_tf32")
