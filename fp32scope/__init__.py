@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         save_exported_program,
     )
     from fp32scope._node import node_fp32_precision
+    from fp32scope._policy import scope_modules, scoped_modules, unscope_modules
     from fp32scope._precision import Fp32Precision
     from fp32scope._process import current_fp32_precision, set_process_default
     from fp32scope._proxy import Fp32ScopedModule, precision_of
@@ -52,6 +53,9 @@ _HOMES = {
     "load_exported_program": "_export",
     "save_exported_program": "_export",
     "node_fp32_precision": "_node",
+    "scope_modules": "_policy",
+    "scoped_modules": "_policy",
+    "unscope_modules": "_policy",
     "Fp32Precision": "_precision",
     "current_fp32_precision": "_process",
     "set_process_default": "_process",
@@ -97,6 +101,9 @@ __all__ = [
     "node_fp32_precision",
     "precision_of",
     "save_exported_program",
+    "scope_modules",
+    "scoped_modules",
     "set_process_default",
+    "unscope_modules",
     "with_fp32_precision",
 ]

@@ -25,8 +25,9 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -35,6 +36,7 @@ from fp32scope import _flags
 from fp32scope._cuda_graphs import capture_cuda_graph
 from fp32scope._dynamo_exclude import dynamo_resets_medium
 from fp32scope._node import node_fp32_precision
+from fp32scope._policy import scope_modules
 from fp32scope._precision import MATMUL_PRECISIONS, Fp32Precision
 from fp32scope._process import current_fp32_precision, set_process_default
 from fp32scope._proxy import Fp32ScopedModule
@@ -223,15 +225,23 @@ def _expected(declared: Fp32Precision | None, default: Fp32Precision) -> Fp32Pre
 class _Node:
     """One loaded node: the scoped compiled module, its counting backend, and its float64 twin."""
 
-    def __init__(
-        self, name: str, module: torch.nn.Module, backend: str, default: Fp32Precision, *, scope_default: bool
+    def __init__(  # noqa: PLR0913
+        self,
+        name: str,
+        module: torch.nn.Module,
+        backend: str,
+        default: Fp32Precision,
+        *,
+        scope_default: bool,
+        policy: dict[str, Fp32Precision] | None = None,
     ) -> None:
         self.eager = module
         self.reference = copy.deepcopy(module).to("cpu", torch.float64)
         self.counter = _CountingBackend(backend)
         # torch.compile returns the module's OptimizedModule (typed as a plain callable).
         compiled = cast("torch.nn.Module", torch.compile(module, backend=self.counter))
-        declared = node_fp32_precision(name, compiled)
+        # With a policy (--policy), the policy decides the node's precision, not its class.
+        declared = node_fp32_precision(name, compiled) if policy is None else policy.get(name)
         expected = _expected(declared, default)
         # scope_default: the node's scope also applies the default's fields it does not
         # declare, so that a default Dynamo changed while compiling is put back after each call.
@@ -291,14 +301,37 @@ def _step(nodes: list[_Node], x: torch.Tensor, measure_error: bool) -> None:
             x = y
 
 
+def _node_policy(policy: Mapping[Any, Any]) -> dict[str, Fp32Precision]:
+    # The precision a policy (as fp32scope.scope_modules takes it) gives each node. Its
+    # selectors select whole nodes: one that selects none, or a part of one ("body.fc2"), is
+    # a ValueError.
+    nodes = torch.nn.ModuleDict({name: cls() for name, cls in _NODES})
+    chosen = scope_modules(nodes, policy)
+    inside = [name for name in chosen if "." in name]
+    if inside:
+        msg = (
+            f"the demo's policy selects whole nodes ({', '.join(name for name, _ in _NODES)}); it selects "
+            f"{', '.join(map(repr, inside))} inside one."
+        )
+        raise ValueError(msg)
+    return chosen
+
+
 def run_demo(
-    *, default: str = "high", backend: str = "inductor", device: str = "cpu", steps: int = _STEPS
+    *,
+    default: str = "high",
+    backend: str = "inductor",
+    device: str = "cpu",
+    steps: int = _STEPS,
+    policy: Mapping[Any, Any] | None = None,
 ) -> DemoResult:
     """Run the demo and return what it measured; the caller's flags are restored afterwards.
 
     Resets Dynamo's caches first, so that every node compiles afresh and the counts are
-    this run's own.
+    this run's own. ``policy`` (as :func:`~fp32scope.scope_modules` takes it, selecting whole
+    nodes) decides the nodes' precisions instead of their declarations.
     """
+    chosen = None if policy is None else _node_policy(policy)
     if default not in MATMUL_PRECISIONS:
         msg = f"default must be one of {', '.join(map(repr, MATMUL_PRECISIONS))}; got {default!r}."
         raise ValueError(msg)
@@ -318,7 +351,10 @@ def run_demo(
         precision = Fp32Precision(default, True)  # type: ignore[arg-type]
         set_process_default(precision)
         torch.manual_seed(0)
-        nodes = [_Node(name, cls().to(target), backend, precision, scope_default=bool(resets)) for name, cls in _NODES]
+        nodes = [
+            _Node(name, cls().to(target), backend, precision, scope_default=bool(resets), policy=chosen)
+            for name, cls in _NODES
+        ]
         x = torch.randn(_BATCH, _FEATURES // 2, generator=torch.Generator().manual_seed(0)).to(target)
         # An engine runs all forwards on one thread: the flags are process-wide, and
         # fp32scope refuses a scope on a second thread while one is active.
@@ -461,6 +497,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device (default: cpu)")
     parser.add_argument("--steps", type=int, default=_STEPS, help=f"measured steps after warmup (default: {_STEPS})")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument(
+        "--policy",
+        metavar="FILE.json",
+        help=(
+            "a JSON object mapping node selectors (names, 're:' patterns) to precisions, as "
+            "fp32scope.scope_modules takes them; replaces the nodes' declarations"
+        ),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -476,6 +520,14 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
         print(f"fp32scope demo: --steps must be at least 1; got {args.steps}.", file=sys.stderr)
         return 2
-    result = run_demo(default=args.default, backend=args.backend, device=args.device, steps=args.steps)
+    policy = None
+    if args.policy is not None:
+        try:
+            policy = json.loads(Path(args.policy).read_text())
+            _node_policy(policy)
+        except (OSError, ValueError, TypeError) as error:
+            print(f"fp32scope demo: --policy {args.policy}: {error}", file=sys.stderr)
+            return 2
+    result = run_demo(default=args.default, backend=args.backend, device=args.device, steps=args.steps, policy=policy)
     print(json.dumps(result.as_json(), indent=2) if args.json else render(result))
     return 0 if result.ok else 1

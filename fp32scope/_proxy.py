@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -144,6 +145,7 @@ class Fp32ScopedModule(_ProxyBase):
         # What a call under torch.autocast does (see _autocast).
         self._self_autocast = AutocastPolicy(mode, checked, label)
         warn_cublas_override(checked, label)
+        _own_dict(self)  # what ``__dict__`` returns (see there)
 
     # ``self`` is positional-only so that a keyword argument named "self" still reaches
     # the module (wrapt's CallableObjectProxy gets the same by unpacking *args, which costs
@@ -182,11 +184,23 @@ class Fp32ScopedModule(_ProxyBase):
     @property
     def forward(self) -> Callable[..., Any]:
         """The wrapped module's ``forward``, run inside the scope."""
-        forward: Callable[..., Any] = self.__wrapped__.forward
         policy = self._self_autocast
         if (self._self_precision is None or self._self_precision.is_noop) and policy.action is None:
+            forward: Callable[..., Any] = self.__wrapped__.forward
             return forward
-        return _scoped_forward(forward, self._self_scope, self._self_backward, self._self_record_scope, policy)
+        if torch.compiler.is_compiling():
+            # Dynamo tracing this property (torch 2.15 does): the marked forward of the
+            # proxy's own dict (see __dict__), so that the caller graph-breaks at its call.
+            marked: Callable[..., Any] = self._self_dict["forward"]
+            return marked
+        return _scoped_forward(
+            self.__wrapped__.forward,
+            self._self_scope,
+            self._self_backward,
+            self._self_record_scope,
+            policy,
+            self._self_trampoline,
+        )
 
     @forward.setter
     def forward(self, value: Callable[..., Any]) -> None:
@@ -198,6 +212,23 @@ class Fp32ScopedModule(_ProxyBase):
     @forward.deleter
     def forward(self) -> None:
         del self.__wrapped__.forward
+
+    # ``parent.child.forward(x)`` in a compiled parent. Dynamo resolves an attribute of the
+    # proxy the way Python would for an object of ``proxy.__class__`` (the wrapped module's
+    # class, on torch 2.13) whose instance dict is ``proxy.__dict__``, and guards what it read
+    # through the proxy's own instance dict (its ``_self_*`` attributes). With wrapt's
+    # ``__dict__`` (the wrapped module's) the two disagree: Dynamo found the wrapped class's
+    # ``forward``, inlined it into the parent's graph outside the scope, and failed building
+    # its guards ("Guard failed on the same frame it was created ... KeyError on
+    # ...['child']._modules"). So ``proxy.__dict__`` is the proxy's own dict, which holds a
+    # scoped ``forward``: Dynamo finds it there and graph-breaks cleanly at its call, which
+    # then runs eagerly through the property above (a property wins over the instance dict
+    # in Python). Other attributes Dynamo reads through wrapt, and guards the same way.
+    @property
+    def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
+        """The proxy's own attributes; the wrapped module's are ``vars(proxy.__wrapped__)``."""
+        own: dict[str, Any] = self._self_dict
+        return own
 
     def __bool__(self) -> bool:
         # Truth is the wrapped module's (wrapt forwards it), with one exception: torch 2.10's
@@ -264,24 +295,45 @@ for _name in SELF_RETURNING_METHODS:
 del _name
 
 
-def _scoped_forward(
+def _scoped_forward(  # noqa: PLR0913, PLR0917  (one closure per property read: its state as arguments)
     forward: Callable[..., Any],
     scope: fp32_precision_scope,
     backward: bool,
     record_scope: fp32_precision_scope,
     policy: AutocastPolicy,
+    trampoline: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     def scoped_forward(*args: Any, **kwargs: Any) -> Any:
         if any_autocast() and policy.action is not None:
             return run_under_autocast(policy, scoped_forward, args, kwargs)
+        fn = forward
+        if active_callback():  # a compiled caller: compile the forward here, inside the scope
+            fn = compiled_call(fn, trampoline)
         if grad_enabled() and backward:
-            return call_recorded(record_scope, forward, args, kwargs)
+            return call_recorded(record_scope, fn, args, kwargs)
         with scope:
-            return forward(*args, **kwargs)
+            return fn(*args, **kwargs)
 
     _dynamo_exclude.mark_function(scoped_forward)
     scoped_forward.__wrapped__ = forward  # type: ignore[attr-defined]
     return scoped_forward
+
+
+def _own_dict(proxy: Fp32ScopedModule) -> dict[str, Any]:
+    # The proxy's instance dict, where wrapt keeps its ``_self_*`` attributes (Python reaches
+    # it only through the garbage collector: ``__dict__`` is overridden); found when the
+    # proxy is made.
+    own: dict[str, Any] = next(
+        found for found in gc.get_referents(proxy) if type(found) is dict and "_self_precision" in found
+    )
+    own["_self_dict"] = own
+    precision = own["_self_precision"]
+    if (precision is not None and not precision.is_noop) or own["_self_autocast"].action is not None:
+        # What Dynamo finds as the proxy's ``forward``: a scoped forward as the property
+        # makes them (one code object, which Dynamo's guard checks), marked, so that a
+        # compiled caller graph-breaks at its call and then calls the property's.
+        own["forward"] = proxy.forward
+    return own
 
 
 # Every closure of _scoped_forward shares one code object: marking one covers them all.

@@ -28,7 +28,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from fp32scope import Fp32Precision, Fp32ScopedModule, _flags, set_process_default, with_fp32_precision
+from fp32scope import (
+    Fp32Precision,
+    Fp32ScopedModule,
+    _flags,
+    scope_modules,
+    set_process_default,
+    with_fp32_precision,
+)
 from tests import probe as probes
 from tests.probe import probe
 
@@ -175,6 +182,26 @@ def fsdp2(variant: str, *, reshard: bool = True, use_checkpoint: bool = False) -
     return build
 
 
+def fsdp2_policy(variant: str, *, reshard: bool = True) -> Callable[[], Built]:
+    """FSDP2 per block and root (the torchtitan order), with ``scope_modules`` before or after."""
+
+    def build() -> Built:
+        shard = fully_shard_api()
+        assert shard is not None
+        model = new_model()
+        if variant == "policy-then-shard":
+            assert scope_modules(model, {"block": FULL}) == {"block": FULL}
+        shard(model.block, reshard_after_forward=reshard)
+        if variant == "shard-then-policy":  # the class selects FSDP's subclass of Block too
+            assert scope_modules(model, {Block: FULL}) == {"block": FULL}
+        shard(model, reshard_after_forward=reshard)
+        if variant == "all-sharded-then-policy":
+            assert scope_modules(model, {Block: FULL}) == {"block": FULL}
+        return model, _dtensor_params(model)
+
+    return build
+
+
 def fsdp1(variant: str) -> Callable[[], Built]:
     def build() -> Built:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
@@ -227,6 +254,10 @@ CONFIGS: dict[str, Callable[[], Built]] = {
     "fsdp2-proxy-then-shard-checkpoint": fsdp2("proxy-then-shard", use_checkpoint=True),
     "fsdp2-shard-then-proxy-checkpoint": fsdp2("shard-then-proxy", use_checkpoint=True),
     "fsdp2-unit-inside-proxy-checkpoint": fsdp2("unit-inside-proxy", use_checkpoint=True),
+    "fsdp2-policy-then-shard": fsdp2_policy("policy-then-shard"),
+    "fsdp2-policy-then-shard-no-reshard": fsdp2_policy("policy-then-shard", reshard=False),
+    "fsdp2-shard-then-policy": fsdp2_policy("shard-then-policy"),
+    "fsdp2-all-sharded-then-policy": fsdp2_policy("all-sharded-then-policy"),
     "fsdp1-control": fsdp1("none"),
     "fsdp1-proxy-around-unit": fsdp1("proxy-around-unit"),
     "fsdp1-decorated-inside-unit": fsdp1("decorated-inside-unit"),

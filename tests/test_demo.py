@@ -170,3 +170,34 @@ def test_a_medium_default_says_what_dynamo_does_to_it(capsys: pytest.CaptureFixt
     status, data = run_json(capsys, "--steps", "1")
     assert data["dynamo_resets_medium"] is None
     assert data["nodes_scoped_with_default"] is False
+
+
+def test_a_policy_file_decides_the_nodes_precisions(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    policy = tmp_path / "policy.json"
+    policy.write_text(json.dumps({"re:embed|body": {"matmul": "highest", "cudnn_allow_tf32": False}}))
+    status, data = run_json(capsys, "--steps", "1", "--policy", str(policy))
+    assert status == 0
+    nodes = {node["name"]: node for node in data["nodes"]}
+    assert nodes["embed"]["declared"] == FULL
+    assert nodes["head"]["declared"] is None  # the policy, not the class, decides
+    assert [nodes[n]["ran_with"] for n in ("embed", "body", "head")] == [FULL, FULL, HIGH]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"tail": "highest"}', "policy selector(s) 'tail' match no submodule"),
+        ('{"body.fc2": "highest"}', "selects 'body.fc2' inside one"),
+        ('{"head": "fast"}', "policy['head'] must be one of"),
+        ("not json", "Expecting value"),
+    ],
+)
+def test_a_bad_policy_file_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str, message: str
+) -> None:
+    policy = tmp_path / "policy.json"
+    policy.write_text(content)
+    assert main(["demo", "--backend", "eager", "--policy", str(policy)]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert str(policy) in err
