@@ -12,6 +12,11 @@ import torch
 
 from fp32scope import _dynamo_exclude, _flags
 from fp32scope._autograd_threads import runs_backward_for
+from fp32scope._trace import entered as _trace_enter
+from fp32scope._trace import exited as _trace_exit
+from fp32scope._trace import open_ranges as _ranges
+from fp32scope._trace import open_traces as _traces
+from fp32scope._trace import profiler as _profiler
 from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
 from fp32scope._precision import MATMUL_PRECISIONS, Fp32Precision, check_precision
 
@@ -232,7 +237,7 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
 
     # _marks is used by _LegacyDynamoScope only; declared here so that an instance can
     # switch to that subclass (same layout) when it is made.
-    __slots__ = ("_fields", "_marks", "_name", "_outer", "_stacklevel", "_token")
+    __slots__ = ("_fields", "_marks", "_name", "_outer", "_phase", "_stacklevel", "_token")
 
     def __init__(self, precision: Fp32Precision | None) -> None:
         if _REFUSE_WHEN_MADE and _is_compiling():
@@ -284,6 +289,8 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
                 self._outer = []
             self._outer.append(self._token)
         self._token = token
+        if _traces or _profiler._is_profiler_enabled:  # trace() or a profiler records: _trace
+            _trace_enter(self, _depth)
 
     def __exit__(
         self,
@@ -294,8 +301,10 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
         token = self._token
         if token is None:
             return
-        self._token = self._outer.pop() if self._outer else None
         global _depth  # noqa: PLW0603
+        if _ranges:  # a profiler range this entry may have opened (_trace)
+            _trace_exit(_depth)
+        self._token = self._outer.pop() if self._outer else None
         try:
             changed = _restore(token)
         finally:
@@ -350,6 +359,9 @@ class _LegacyDynamoScope(fp32_precision_scope):
         token = self._token
         if token is None:
             return
+        global _depth  # noqa: PLW0603
+        if _ranges:  # a profiler range this entry may have opened (_trace)
+            _trace_exit(_depth)
         frames, keep_medium = self._marks.pop()
         t, b = token[0], token[1]
         reset = _dynamo_frames() != frames and _GM() == "high"
@@ -357,7 +369,6 @@ class _LegacyDynamoScope(fp32_precision_scope):
         # and the cuDNN field (if any) still holds.
         torch_only = reset and t == "medium" and (b is None or _GB() is b)
         self._token = self._outer.pop() if self._outer else None
-        global _depth  # noqa: PLW0603
         try:
             changed = _restore(token)
             if keep_medium and reset:
@@ -370,10 +381,15 @@ class _LegacyDynamoScope(fp32_precision_scope):
             _warn_changed(changed, self._name, self._stacklevel)
 
 
-def wrapper_scope(precision: Fp32Precision | None, name: str) -> fp32_precision_scope:
-    """A scope for a wrapper to enter around each call; warnings point at the wrapper's caller."""
+def wrapper_scope(precision: Fp32Precision | None, name: str, phase: str = "forward") -> fp32_precision_scope:
+    """A scope for a wrapper to enter around each call; warnings point at the wrapper's caller.
+
+    ``phase`` (``"forward"``, or ``"backward"`` for a recorded call's backward) is what
+    :func:`fp32scope.trace` and the profiler ranges report for its entries.
+    """
     scope = fp32_precision_scope(precision)
     scope._name = name
+    scope._phase = phase
     scope._stacklevel = 3
     return scope
 
