@@ -138,6 +138,19 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         with no_grad:
             proxy()
 
+    from fp32scope import _scope
+
+    def observer_checks() -> None:
+        # What every scoped call adds for trace() and the profiler when neither records: on
+        # entry the list of open traces and torch's profiler flag, on exit the list of open
+        # ranges. Read here through the module (one attribute load more than the scope's
+        # global reads), so this is an upper bound.
+        if _scope._traces or _scope._profiler._is_profiler_enabled:
+            noop()
+        if _scope._ranges:
+            noop()
+        noop()
+
     cases: dict[str, Callable[[], object]] = {
         "bare no-op call": noop,
         "floor: raw _C calls of an exact switch, inline": floor_switch_both,
@@ -155,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         # While a trace() is open every scoped call reads the flags and appends an event; a
         # fresh trace is opened around each timing loop (below).
         "Fp32ScopedModule call under no_grad, both switch, inside fp32scope.trace()": call_proxy_traced,
+        "the trace/profiler checks of a scoped call, neither recording (upper bound)": observer_checks,
         # Part of every wrapper call: whether a compiled caller's Dynamo is active (then the
         # wrapped callable is compiled in the scope; see fp32scope._trampoline).
         "reading Dynamo's frame callback (one C call)": active_callback,
@@ -218,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     traced_over = med[traced] - med["Fp32ScopedModule call under no_grad, both switch"]
     print(f"  a proxy call inside fp32scope.trace(), on top of the same call outside it {traced_over:.1f}")
     print(f"  decorator on top of the scope around the same call {decorated_over:.1f}")
+    checks = med["the trace/profiler checks of a scoped call, neither recording (upper bound)"] - bare
+    print(f"  the trace/profiler checks of a scoped call, neither recording {checks:.1f}")
     callback = med["reading Dynamo's frame callback (one C call)"]
     print(f"  of which reading Dynamo's frame callback (the call itself, not minus the bare call) {callback:.1f}")
     print("ratios:")

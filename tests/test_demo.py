@@ -48,6 +48,10 @@ def test_each_node_runs_with_its_precision_and_leaves_the_default(capsys: pytest
         assert node["forward_thread"].startswith("fp32scope-forward")
         assert node["cuda_graph"] is False
     assert data["graph_breaks"] == 0
+    # fp32scope.trace() of the first request: the scoped node's compiling call, in its precision.
+    assert data["trace"] == [
+        {"name": "head", "phase": "forward", "precision": FULL, "observed": FULL, "thread": nodes["head"]["forward_thread"]}
+    ]
     # The demo restores the caller's flags.
     assert _flags.read_all() == readings
 
@@ -103,6 +107,9 @@ def test_table(capsys: pytest.CaptureFixture[str], default: str) -> None:
     else:
         assert all(len(row) == 7 for row in rows)
     assert lines[-1] == "all nodes ok."
+    traced = lines.index("fp32scope.trace() of the first request (it compiles the nodes; nodes without a scope make no event):")
+    assert lines[traced + 1].split() == ["node", "phase", "precision", "observed", "match", "thread"]
+    assert lines[traced + 2].split()[:5] == ["head", "forward", "highest/cudnn-fp32", "highest/cudnn-fp32", "yes"]
     assert "fp32scope demo: 3 torch.compile'd nodes, backend 'eager', device cpu" in lines[0]
 
 

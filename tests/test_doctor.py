@@ -383,7 +383,7 @@ def test_a_compiled_model_is_read_through(capsys: pytest.CaptureFixture[str], en
 def test_a_model_object_and_a_class_are_accepted(capsys: pytest.CaptureFixture[str], engine: str) -> None:
     # A module attribute is used as it is; a class (callable, not a module) is called.
     status, model = model_report(capsys, f"{engine}:Model")
-    assert status == 0
+    assert status == 1
     assert [n["path"] for n in model["scoped"]] == ["head"]
     assert [n["path"] for n in model["findings"]] == ["body.1"]
     assert model["target"] == f"{engine}:Model"
