@@ -48,6 +48,7 @@ _BATCH = 64
 _FEATURES = 512
 _STEPS = 3
 _FULL_FP32 = Fp32Precision("highest", False)
+_TRACE_TITLE = "fp32scope.trace() of the first request (it compiles the nodes; nodes without a scope make no event):"
 _RECOMPILE_METHOD = (
     "a counting wrapper around the backend: graphs compiled during the warmup pass, and "
     "recompiles = graphs compiled after it"
@@ -431,7 +432,7 @@ def render(result: DemoResult) -> str:
             "every node after the first compile would run 'high'. See 'A medium default on torch 2.4 to 2.8' "
             "in the compiled-code guide."
         )
-    lines += ["", "fp32scope.trace() of the first request (it compiles the nodes; nodes without a scope make no event):", str(Fp32Trace(r.trace))]
+    lines += ["", _TRACE_TITLE, str(Fp32Trace(r.trace))]
     lines.append("all nodes ok." if r.ok else "PROBLEM: a node ran with the wrong precision, recompiled, or broke.")
     return "\n".join(lines)
 

@@ -318,7 +318,7 @@ the only time it changes a flag, and it puts every flag back exactly."""
 #: The ``doctor --help`` closing lines.
 EPILOG = """\
 exit status: 0 when the state is consistent (and, with --model, every module
-that declares a precision runs in it); 1 when the state is mixed (the two APIs
+that declares a precision runs in it); 1 when it is mixed (the two APIs
 disagree) or a module runs outside its declared precision; 2 for a bad option,
 a --import module that does not import, or a --model that cannot be loaded."""
 
@@ -385,6 +385,9 @@ def run(args: argparse.Namespace) -> int:
 # -- --model: which nodes of a model are scoped, and which declare a precision they lack ---
 
 
+_MISSING = object()
+
+
 class ModelLoadError(Exception):
     """The ``--model`` target cannot be imported, called, or is not a module (exit status 2)."""
 
@@ -401,11 +404,11 @@ def load_model(target: str) -> torch.nn.Module:
         msg = f"the module does not import ({_one_line(error)})"
         raise ModelLoadError(msg) from error
     for part in attribute.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as error:
-            msg = f"{module_name} has no attribute {attribute!r} ({_one_line(error)})"
-            raise ModelLoadError(msg) from error
+        obj = getattr(obj, part, _MISSING)
+        if obj is _MISSING:
+            on = f" ({part!r} is missing)" if part != attribute else ""
+            msg = f"{module_name} has no attribute {attribute!r}{on}"
+            raise ModelLoadError(msg)
     if not isinstance(obj, torch.nn.Module) and callable(obj):
         try:
             obj = obj()
@@ -499,6 +502,25 @@ def _mismatch(declares: Fp32Precision, runs_in: Fp32Precision | None) -> list[st
     return fields
 
 
+def _unwrap(module: torch.nn.Module) -> tuple[torch.nn.Module, Fp32Precision | None]:
+    """The bare module under proxies and compiled modules, and the precision the proxies apply."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from fp32scope._proxy import Fp32ScopedModule, precision_of
+
+    applied: Fp32Precision | None = None
+    while True:  # a proxy around a compiled module around ...: one node, one path
+        if isinstance(module, Fp32ScopedModule):
+            precision = precision_of(module)
+            if precision is not None and not precision.is_noop:
+                applied = _combine(precision, applied)  # the inner proxy's fields win
+            module = module.__wrapped__
+        elif isinstance(module, OptimizedModule):
+            module = module._orig_mod
+        else:
+            return module, applied
+
+
 # lead: replace with _policy.scoped_modules at merge (the scoped part; the declaring part stays)
 def _walk(model: torch.nn.Module) -> tuple[list[ModelNode], list[ModelNode]]:
     """Every scoped node of ``model`` and every submodule that declares a precision.
@@ -506,10 +528,7 @@ def _walk(model: torch.nn.Module) -> tuple[list[ModelNode], list[ModelNode]]:
     Walks the module tree through proxies (their ``__wrapped__``) and compiled modules (their
     ``_orig_mod``), each module once, with the precision the enclosing proxies apply.
     """
-    from torch._dynamo.eval_frame import OptimizedModule
-
     from fp32scope._node import node_fp32_precision
-    from fp32scope._proxy import Fp32ScopedModule, precision_of
 
     scoped: list[ModelNode] = []
     declaring: list[ModelNode] = []
@@ -521,27 +540,16 @@ def _walk(model: torch.nn.Module) -> tuple[list[ModelNode], list[ModelNode]]:
             continue
         seen.add(id(module))
         shown = path or "(model)"
-        is_scoped = False
-        while True:  # a proxy around a compiled module around ...: one node, one path
-            if isinstance(module, Fp32ScopedModule):
-                precision = precision_of(module)
-                if precision is not None and not precision.is_noop:
-                    runs_in = _combine(runs_in, precision)
-                    scoped_by = shown
-                    is_scoped = True
-                module = module.__wrapped__
-            elif isinstance(module, OptimizedModule):
-                module = module._orig_mod
-            else:
-                break
+        module, precision = _unwrap(module)
         seen.add(id(module))
-        if is_scoped:
+        if precision is not None:
+            runs_in = _combine(runs_in, precision)
+            scoped_by = shown
             scoped.append(ModelNode(shown, type(module).__name__, None, runs_in, scoped_by))
         try:
             declares = node_fp32_precision(shown, module)
         except (TypeError, ValueError) as error:
             declaring.append(ModelNode(shown, type(module).__name__, None, runs_in, scoped_by, f"invalid: {error}"))
-            declares = None
         else:
             if declares is not None:
                 problem = None
@@ -588,9 +596,7 @@ def render_model(report: ModelReport) -> str:
     covered = [n for n in report.declaring if n.problem is None]
     if covered:
         lines.append("declaring modules that run in their precision:")
-        lines.extend(
-            f"  {n.path} ({n.type}) declares {_show(n.declares)}, runs in {n.scoped_by!r}" for n in covered
-        )
+        lines.extend(f"  {n.path} ({n.type}) declares {_show(n.declares)}, runs in {n.scoped_by!r}" for n in covered)
     if report.ok:
         lines.append("ok: every module that declares a precision runs in it.")
     else:

@@ -12,13 +12,13 @@ import torch
 
 from fp32scope import _dynamo_exclude, _flags
 from fp32scope._autograd_threads import runs_backward_for
+from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
+from fp32scope._precision import MATMUL_PRECISIONS, Fp32Precision, check_precision
 from fp32scope._trace import entered as _trace_enter
 from fp32scope._trace import exited as _trace_exit
 from fp32scope._trace import open_ranges as _ranges
 from fp32scope._trace import open_traces as _traces
 from fp32scope._trace import profiler as _profiler
-from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
-from fp32scope._precision import MATMUL_PRECISIONS, Fp32Precision, check_precision
 
 __all__ = [
     "Token",
@@ -238,6 +238,7 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
     # _marks is used by _LegacyDynamoScope only; declared here so that an instance can
     # switch to that subclass (same layout) when it is made.
     __slots__ = ("_fields", "_marks", "_name", "_outer", "_phase", "_stacklevel", "_token")
+    _phase: str  # set by wrapper_scope only: "forward" or "backward", for fp32scope.trace()
 
     def __init__(self, precision: Fp32Precision | None) -> None:
         if _REFUSE_WHEN_MADE and _is_compiling():

@@ -107,7 +107,7 @@ if not hasattr(profiler, "_is_profiler_enabled"):  # pragma: no cover  (torch 2.
 
         @property
         def _is_profiler_enabled(self) -> bool:
-            return bool(torch.autograd._profiler_enabled())
+            return bool(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
 
     profiler = _ProfilerFlag()  # type: ignore[assignment]
 
@@ -138,7 +138,7 @@ def entered(scope: fp32_precision_scope, depth: int) -> None:
                 events.append(event)
         if profiler._is_profiler_enabled:
             rf = _record_function(range_name(name, phase, precision))
-            rf.__enter__()
+            rf.__enter__()  # type: ignore[no-untyped-call]
             open_ranges.append((depth, rf))
     except BaseException:
         from fp32scope._scope import fp32_precision_scope

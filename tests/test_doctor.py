@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -255,7 +256,7 @@ def test_a_module_that_does_not_import_is_one_line_and_exit_status_2(
 
 # -- doctor --model -------------------------------------------------------------------
 
-MODEL_FILE = '''
+MODEL_FILE = """
 import torch
 from fp32scope import Fp32Precision, Fp32ScopedModule, node_fp32_precision
 
@@ -297,17 +298,25 @@ def wrong_precision():
     return model
 
 
+class Bad(torch.nn.Linear):
+    float32_matmul_precision = "fp32"
+
+
+def invalid():
+    return torch.nn.Sequential(Bad(2, 2))
+
+
 unscoped = Model()
 not_a_module = 42
 
 
 def fails():
     raise RuntimeError("no weights\\nhere")
-'''
+"""
 
 
 @pytest.fixture
-def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     (tmp_path / "engine_model.py").write_text(MODEL_FILE)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "engine_model"
@@ -372,6 +381,14 @@ def test_a_scoped_node_with_another_precision_than_declared_is_a_finding(
     assert "(field cudnn_allow_tf32)" in finding["problem"]
 
 
+def test_an_invalid_declaration_is_a_finding(capsys: pytest.CaptureFixture[str], engine: str) -> None:
+    status, model = model_report(capsys, f"{engine}:invalid")
+    assert status == 1
+    (finding,) = model["findings"]
+    assert finding["path"] == "0"
+    assert finding["problem"].startswith("invalid: float32_matmul_precision of node '0' must be one of")
+
+
 @pytest.mark.compile
 def test_a_compiled_model_is_read_through(capsys: pytest.CaptureFixture[str], engine: str) -> None:
     status, model = model_report(capsys, f"{engine}:build_compiled")
@@ -394,7 +411,7 @@ def test_a_model_object_and_a_class_are_accepted(capsys: pytest.CaptureFixture[s
     [
         ("engine_model", "expected MODULE:ATTR (for example engine.model:build_model); got 'engine_model'"),
         ("no_such_module:x", "the module does not import (ModuleNotFoundError: No module named 'no_such_module')"),
-        ("engine_model:missing", "engine_model has no attribute 'missing' (AttributeError: "),
+        ("engine_model:missing", "engine_model has no attribute 'missing'"),
         ("engine_model:fails", "calling fails without arguments failed (RuntimeError: no weights here)"),
         ("engine_model:not_a_module", "not_a_module is not a torch.nn.Module, nor a callable that returns one; got"),
     ],

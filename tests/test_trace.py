@@ -15,12 +15,14 @@ from fp32scope import (
     Fp32ScopedModule,
     Fp32Trace,
     Fp32TraceEvent,
+    _scope,
+    _trace,
     fp32_precision_scope,
     set_process_default,
     trace,
     with_fp32_precision,
 )
-from fp32scope import _scope, _trace
+from tests.probe import backward
 
 FULL = Fp32Precision("highest", False)
 HIGHEST = Fp32Precision("highest")
@@ -64,7 +66,7 @@ def test_observed_is_read_inside_the_scope_and_keeps_fields_left_alone() -> None
 def test_a_decorated_function_is_named_by_its_qualified_name() -> None:
     @with_fp32_precision(Fp32Precision("medium"))
     def double(x: torch.Tensor) -> torch.Tensor:
-        return x * 2
+        return x.mul(2)
 
     @with_fp32_precision(FULL, name="named")
     def named(x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +87,7 @@ def test_backward_of_a_recorded_call_is_a_backward_event() -> None:
     with trace() as events:
         y = head(x)
         assert summary(events) == [("head", "forward", "highest")]
-        y.sum().backward()
+        backward(y.sum())
     assert summary(events) == [("head", "forward", "highest"), ("head", "backward", "highest")]
     assert all(e.matches and e.precision == FULL for e in events)
     # A call under no_grad records no history: no backward event (and no backward).
@@ -97,12 +99,12 @@ def test_backward_of_a_recorded_call_is_a_backward_event() -> None:
 def test_backward_with_create_graph_is_a_backward_event_too() -> None:
     @with_fp32_precision(FULL, name="cube")
     def cube(x: torch.Tensor) -> torch.Tensor:
-        return x**3
+        return x.pow(3)
 
     x = torch.ones(2, requires_grad=True)
     with trace() as events:
         (g,) = torch.autograd.grad(cube(x).sum(), x, create_graph=True)
-        g.sum().backward()
+        backward(g.sum())
     phases = [e.phase for e in events]
     assert phases[:2] == ["forward", "backward"]
     assert set(phases[2:]) == {"backward"}
@@ -116,10 +118,11 @@ def test_a_scoped_node_inside_another_comes_after_it_in_both_phases() -> None:
 
     @with_fp32_precision(Fp32Precision("medium"), name="outer")
     def outer(x: torch.Tensor) -> torch.Tensor:
-        return inner(x * 2) + 1
+        out: torch.Tensor = inner(x.mul(2)).add(1)
+        return out
 
     with trace() as events:
-        outer(torch.ones(2, 3, requires_grad=True)).sum().backward()
+        backward(outer(torch.ones(2, 3, requires_grad=True)).sum())
     assert summary(events) == [
         ("outer", "forward", "medium"),
         ("inner", "forward", "highest"),
@@ -182,7 +185,7 @@ def test_a_call_on_another_thread_is_recorded_with_its_thread() -> None:
 def test_the_trace_prints_as_a_table() -> None:
     head = linear()
     with trace() as events:
-        head(torch.ones(1, 3, requires_grad=True)).sum().backward()
+        backward(head(torch.ones(1, 3, requires_grad=True)).sum())
     lines = str(events).splitlines()
     assert lines[0].split() == ["node", "phase", "precision", "observed", "match", "thread"]
     assert lines[1].split() == ["head", "forward", "highest/cudnn-fp32", "highest/cudnn-fp32", "yes", "MainThread"]
@@ -236,6 +239,7 @@ def test_a_failure_while_recording_leaves_the_flags_restored(monkeypatch: pytest
 
 
 def range_names(events: Any) -> list[str]:
+    """The fp32scope ranges among a profiler's events, in order."""
     return [e.name for e in events if e.name.startswith("fp32scope")]
 
 
@@ -244,11 +248,12 @@ def test_profiler_ranges_name_node_phase_and_precision() -> None:
 
     @with_fp32_precision(Fp32Precision("medium"), name="outer")
     def outer(x: torch.Tensor) -> torch.Tensor:
-        return inner(x * 2) + 1
+        out: torch.Tensor = inner(x.mul(2)).add(1)
+        return out
 
     x = torch.ones(2, 3, requires_grad=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        outer(x).sum().backward()
+        backward(outer(x).sum())
     assert range_names(prof.events()) == [
         "fp32scope outer forward medium",
         "fp32scope inner forward highest/cudnn-fp32",
@@ -265,7 +270,7 @@ def test_profiler_ranges_name_node_phase_and_precision() -> None:
 def test_the_autograd_profiler_sees_the_ranges_too() -> None:
     head = linear()
     with torch.autograd.profiler.profile() as prof:
-        head(torch.ones(1, 3, requires_grad=True)).sum().backward()
+        backward(head(torch.ones(1, 3, requires_grad=True)).sum())
     assert range_names(prof.function_events) == [
         "fp32scope head forward highest/cudnn-fp32",
         "fp32scope head backward highest/cudnn-fp32",
@@ -281,7 +286,7 @@ def test_no_range_without_a_profiler_and_none_left_open_across_its_start() -> No
         # The profiler starts inside a scope that opened no range: only the inner call
         # gets one, and the outer exit ends nothing.
         with torch.profiler.profile() as prof:
-            y = head(x)
+            y: torch.Tensor = head(x)
             open_inside.append(len(_trace.open_ranges))
         assert range_names(prof.events()) == ["fp32scope head forward highest/cudnn-fp32"]
         return y
@@ -304,7 +309,7 @@ def test_a_profiler_stopped_inside_a_call_leaves_no_range_open() -> None:
     prof.start()
     assert stops() == 1  # its range opened while the profiler recorded
     assert _trace.open_ranges == []
-    assert range_names(prof.events()) == ["fp32scope stops forward highest/cudnn-fp32"]
+    assert range_names(prof.events()) == ["fp32scope stops forward highest/cudnn-fp32"]  # type: ignore[no-untyped-call]
 
 
 def test_a_range_ends_when_the_call_raises() -> None:
@@ -341,12 +346,13 @@ def test_a_scoped_child_of_a_compiled_parent_is_traced_on_every_call() -> None:
     child = linear(FULL, "child")
 
     def parent(x: torch.Tensor) -> torch.Tensor:
-        return child(x + 1) * 2
+        out: torch.Tensor = child(x.add(1)).mul(2)
+        return out
 
     compiled = torch.compile(parent, backend="eager")
     with torch.no_grad():
         for matmul in ("high", "medium", "high"):
-            set_process_default(Fp32Precision(matmul, True))  # type: ignore[arg-type]
+            set_process_default(Fp32Precision(matmul, True))
             with trace() as events:
                 compiled(torch.ones(1, 3))
             assert [(e.name, e.observed) for e in events] == [("child", FULL)]
