@@ -442,6 +442,8 @@ class ModelNode:
     scoped_by: str | None
     #: Why its declaration is not what it runs in (None: it is).
     problem: str | None = None
+    #: What makes it run in its declaration (None: nothing to fix, or no fix to suggest).
+    fix: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -552,16 +554,18 @@ def _walk(model: torch.nn.Module) -> tuple[list[ModelNode], list[ModelNode]]:
             declaring.append(ModelNode(shown, type(module).__name__, None, runs_in, scoped_by, f"invalid: {error}"))
         else:
             if declares is not None:
-                problem = None
+                problem = fix = None
                 fields = _mismatch(declares, runs_in)
                 if fields:
-                    where = "in no scoped node" if scoped_by is None else f"inside scoped node {scoped_by!r}"
-                    problem = (
-                        f"declares {_show(declares)} but runs {where}, in {_show(runs_in)} "
-                        f"(field {', '.join(fields)}): wrap it, e.g. "
-                        f"Fp32ScopedModule(module, node_fp32_precision({shown!r}, module))"
+                    where = (
+                        "is in no scoped node"
+                        if scoped_by is None
+                        else f"scoped node {scoped_by!r} applies {_show(runs_in)}"
                     )
-                declaring.append(ModelNode(shown, type(module).__name__, declares, runs_in, scoped_by, problem))
+                    problem = f"declares {_show(declares)} but {where} ({', '.join(fields)})"
+                    fix = f"wrap it: Fp32ScopedModule(module, node_fp32_precision({shown!r}, module))"
+                node = ModelNode(shown, type(module).__name__, declares, runs_in, scoped_by, problem, fix)
+                declaring.append(node)
         children = list(module._modules.items())
         stack.extend(
             (f"{path}.{key}" if path else key, child, runs_in, scoped_by)
@@ -596,10 +600,13 @@ def render_model(report: ModelReport) -> str:
     covered = [n for n in report.declaring if n.problem is None]
     if covered:
         lines.append("declaring modules that run in their precision:")
-        lines.extend(f"  {n.path} ({n.type}) declares {_show(n.declares)}, runs in {n.scoped_by!r}" for n in covered)
+        lines.extend(f"  {n.path} ({n.type}) declares {_show(n.declares)}, runs in scoped node {n.scoped_by!r}" for n in covered)
     if report.ok:
         lines.append("ok: every module that declares a precision runs in it.")
     else:
         lines.append(f"FOUND {len(report.findings)} module(s) not running in the precision they declare:")
-        lines.extend(f"  {i}. {n.path} ({n.type}) {n.problem}" for i, n in enumerate(report.findings, 1))
+        for i, n in enumerate(report.findings, 1):
+            lines.append(f"  {i}. {n.path} ({n.type}) {n.problem}")
+            if n.fix is not None:
+                lines.append(f"     {n.fix}")
     return "\n".join(lines)

@@ -168,12 +168,12 @@ def trace() -> Iterator[Fp32Trace]:
 
     >>> import torch
     >>> from fp32scope import Fp32Precision, Fp32ScopedModule
-    >>> head = Fp32ScopedModule(torch.nn.Linear(2, 2), Fp32Precision("highest"), name="head")
+    >>> head = Fp32ScopedModule(torch.nn.Linear(2, 2), Fp32Precision("highest"))
     >>> with trace() as events:
     ...     y = head(torch.ones(1, 2))
     ...     y.sum().backward()
     >>> [(e.name, e.phase, e.observed.matmul) for e in events]
-    [('head', 'forward', 'highest'), ('head', 'backward', 'highest')]
+    [('Linear', 'forward', 'highest'), ('Linear', 'backward', 'highest')]
     """
     if not _current:
         from fp32scope._process import current_fp32_precision

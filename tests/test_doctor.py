@@ -364,8 +364,8 @@ def test_an_unscoped_declaring_module_is_a_finding(capsys: pytest.CaptureFixture
     out = capsys.readouterr().out
     assert "FOUND 1 module(s) not running in the precision they declare:" in out
     assert (
-        "  1. body.1 (Norm) declares highest but runs in no scoped node, in the process default (field matmul): "
-        "wrap it, e.g. Fp32ScopedModule(module, node_fp32_precision('body.1', module))"
+        "  1. body.1 (Norm) declares highest but is in no scoped node (matmul)\n"
+        "     wrap it: Fp32ScopedModule(module, node_fp32_precision('body.1', module))\n"
     ) in out
 
 
@@ -377,8 +377,8 @@ def test_a_scoped_node_with_another_precision_than_declared_is_a_finding(
     (finding,) = model["findings"]
     assert finding["path"] == "head"
     assert finding["scoped_by"] == "head"
-    assert "declares highest/cudnn-fp32 but runs inside scoped node 'head', in highest/cudnn-tf32" in finding["problem"]
-    assert "(field cudnn_allow_tf32)" in finding["problem"]
+    assert finding["problem"] == "declares highest/cudnn-fp32 but scoped node 'head' applies highest/cudnn-tf32 (cudnn_allow_tf32)"
+    assert finding["fix"] == "wrap it: Fp32ScopedModule(module, node_fp32_precision('head', module))"
 
 
 def test_an_invalid_declaration_is_a_finding(capsys: pytest.CaptureFixture[str], engine: str) -> None:
