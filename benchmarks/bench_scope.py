@@ -22,7 +22,7 @@ import fp32scope
 from fp32scope import Fp32Precision, Fp32ScopedModule, _flags, fp32_precision_scope, with_fp32_precision
 from fp32scope._trace import open_ranges as _ranges
 from fp32scope._trace import open_traces as _traces
-from fp32scope._trace import profiler as _profiler
+from fp32scope._trace import profiler_state as _profiler_state
 from fp32scope._trampoline import active_callback
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         # What every scoped call adds for trace() and the profiler when neither records: on
         # entry the list of open traces and torch's profiler flag, on exit the list of open
         # ranges; the same global reads as the scope's.
-        if _traces or _profiler._is_profiler_enabled:
+        if _traces or _profiler_state["_is_profiler_enabled"]:
             noop()
         if _ranges:
             noop()

@@ -18,7 +18,7 @@ from fp32scope._trace import entered as _trace_enter
 from fp32scope._trace import exited as _trace_exit
 from fp32scope._trace import open_ranges as _ranges
 from fp32scope._trace import open_traces as _traces
-from fp32scope._trace import profiler as _profiler
+from fp32scope._trace import profiler_state as _profiler_state
 
 __all__ = [
     "Token",
@@ -290,7 +290,7 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
                 self._outer = []
             self._outer.append(self._token)
         self._token = token
-        if _traces or _profiler._is_profiler_enabled:  # trace() or a profiler records: _trace
+        if _traces or _profiler_state["_is_profiler_enabled"]:  # trace() or a profiler records: _trace
             _trace_enter(self, _depth)
 
     def __exit__(

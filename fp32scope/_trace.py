@@ -24,7 +24,7 @@ from fp32scope._precision import Fp32Precision
 if TYPE_CHECKING:
     from fp32scope._scope import fp32_precision_scope
 
-__all__ = ["Fp32Trace", "Fp32TraceEvent", "entered", "exited", "trace"]
+__all__ = ["Fp32Trace", "Fp32TraceEvent", "entered", "exited", "open_ranges", "open_traces", "profiler_state", "trace"]
 
 Phase = Literal["forward", "backward"]
 FORWARD: Final = "forward"
@@ -95,21 +95,16 @@ _lock = threading.Lock()
 open_ranges: list[tuple[int, Any]] = []
 # Read on every scoped call: torch's own Python flag, set while torch.profiler.profile or
 # torch.autograd.profiler.profile (emit_nvtx, emit_itt) records; a C call would cost more.
-profiler = torch.autograd.profiler
+# Read from the profiler module's dict, not the module: a module of torch among a frame's
+# globals makes Dynamo's frame callback convert that frame (the scope's __enter__).
 _record_function = torch.autograd.profiler.record_function
 _current: list[Callable[[], Fp32Precision]] = []
+_PROFILER_FLAG: Final = "_is_profiler_enabled"
 
 # release check: move to _compat
-if not hasattr(profiler, "_is_profiler_enabled"):  # pragma: no cover  (torch 2.4+ has the flag)
-
-    class _ProfilerFlag:
-        """Stands in for the module where torch has no ``_is_profiler_enabled`` flag."""
-
-        @property
-        def _is_profiler_enabled(self) -> bool:
-            return bool(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
-
-    profiler = _ProfilerFlag()  # type: ignore[assignment]
+_HAS_PROFILER_FLAG: Final = hasattr(torch.autograd.profiler, _PROFILER_FLAG)  # torch >= 2.2
+profiler_state: dict[str, Any] = vars(torch.autograd.profiler) if _HAS_PROFILER_FLAG else {_PROFILER_FLAG: True}
+_profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
 
 
 def range_name(name: str, phase: str, precision: Fp32Precision) -> str:
@@ -136,7 +131,7 @@ def entered(scope: fp32_precision_scope, depth: int) -> None:
             event = Fp32TraceEvent(name, phase, precision, _current[0](), threading.current_thread().name)
             for events in traces:
                 events.append(event)
-        if profiler._is_profiler_enabled:
+        if profiler_state[_PROFILER_FLAG] and (_HAS_PROFILER_FLAG or _profiler_enabled()):
             rf = _record_function(range_name(name, phase, precision))
             rf.__enter__()  # type: ignore[no-untyped-call]
             open_ranges.append((depth, rf))
