@@ -310,6 +310,10 @@ unscoped = Model()
 not_a_module = 42
 
 
+class Zoo:
+    built = build()
+
+
 def fails():
     raise RuntimeError("no weights\\nhere")
 """
@@ -404,6 +408,12 @@ def test_a_model_object_and_a_class_are_accepted(capsys: pytest.CaptureFixture[s
     assert [n["path"] for n in model["scoped"]] == ["head"]
     assert [n["path"] for n in model["findings"]] == ["body.1"]
     assert model["target"] == f"{engine}:Model"
+    # A dotted attribute: an attribute of an attribute.
+    status, model = model_report(capsys, f"{engine}:Zoo.built")
+    assert status == 0
+    assert [n["path"] for n in model["scoped"]] == ["body", "head"]
+    assert main(["doctor", "--model", f"{engine}:Zoo.missing"]) == 2
+    assert "engine_model has no attribute 'Zoo.missing' ('missing' is missing)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
