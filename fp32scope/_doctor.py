@@ -600,7 +600,9 @@ def render_model(report: ModelReport) -> str:
     covered = [n for n in report.declaring if n.problem is None]
     if covered:
         lines.append("declaring modules that run in their precision:")
-        lines.extend(f"  {n.path} ({n.type}) declares {_show(n.declares)}, runs in scoped node {n.scoped_by!r}" for n in covered)
+        lines.extend(
+            f"  {n.path} ({n.type}) declares {_show(n.declares)}, runs in scoped node {n.scoped_by!r}" for n in covered
+        )
     if report.ok:
         lines.append("ok: every module that declares a precision runs in it.")
     else:

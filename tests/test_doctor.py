@@ -381,7 +381,9 @@ def test_a_scoped_node_with_another_precision_than_declared_is_a_finding(
     (finding,) = model["findings"]
     assert finding["path"] == "head"
     assert finding["scoped_by"] == "head"
-    assert finding["problem"] == "declares highest/cudnn-fp32 but scoped node 'head' applies highest/cudnn-tf32 (cudnn_allow_tf32)"
+    assert finding["problem"] == (
+        "declares highest/cudnn-fp32 but scoped node 'head' applies highest/cudnn-tf32 (cudnn_allow_tf32)"
+    )
     assert finding["fix"] == "wrap it: Fp32ScopedModule(module, node_fp32_precision('head', module))"
 
 
