@@ -44,7 +44,7 @@ class Fp32TraceEvent(NamedTuple):
     """
 
     name: str
-    phase: Phase
+    phase: Literal["forward", "backward"]
     precision: Fp32Precision
     observed: Fp32Precision
     thread: str
