@@ -21,6 +21,9 @@ import torch
 import fp32scope
 from fp32scope import Fp32Precision, Fp32ScopedModule, _flags, fp32_precision_scope, with_fp32_precision
 from fp32scope._autocast import any_autocast
+from fp32scope._trace import open_ranges as _ranges
+from fp32scope._trace import open_traces as _traces
+from fp32scope._trace import profiler_state as _profiler_state
 from fp32scope._trampoline import active_callback
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -157,6 +160,20 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         with no_grad, bf16_autocast:
             noop()
 
+    def call_proxy_traced() -> None:
+        with no_grad:
+            proxy()
+
+    def observer_checks() -> None:
+        # What every scoped call adds for trace() and the profiler when neither records: on
+        # entry the list of open traces and torch's profiler flag, on exit the list of open
+        # ranges; the same global reads as the scope's.
+        if _traces or _profiler_state["_is_profiler_enabled"]:
+            noop()
+        if _ranges:
+            noop()
+        noop()
+
     cases: dict[str, Callable[[], object]] = {
         "bare no-op call": noop,
         "floor: raw _C calls of an exact switch, inline": floor_switch_both,
@@ -171,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         "one scope object reused around the bare nn.Module call": scope_module,
         "Fp32ScopedModule call under no_grad, both switch": call_proxy_no_grad,
         "one scope object reused around the bare nn.Module call, under no_grad": scope_module_no_grad,
+        # While a trace() is open every scoped call reads the flags and appends an event; a
+        # fresh trace is opened around each timing loop (below).
+        "Fp32ScopedModule call under no_grad, both switch, inside fp32scope.trace()": call_proxy_traced,
+        "the trace/profiler checks of a scoped call, neither recording": observer_checks,
         # Part of every wrapper call: whether a compiled caller's Dynamo is active (then the
         # wrapped callable is compiled in the scope; see fp32scope._trampoline).
         "reading Dynamo's frame callback (one C call)": active_callback,
@@ -185,8 +206,16 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     for fn in cases.values():
         fn()  # warm up (first calls import, allocate, mark code for Dynamo)
     before = _flags.read_all()
+    traced = "Fp32ScopedModule call under no_grad, both switch, inside fp32scope.trace()"
     for _ in range(r):
         for name, fn in cases.items():
+            if name == traced:
+                with fp32scope.trace() as events:
+                    samples[name].append(median_ns(fn, n, 1))
+                if len(events) != n:
+                    print(f"error: the trace holds {len(events)} events for {n} calls", file=sys.stderr)
+                    return 1
+                continue
             samples[name].append(median_ns(fn, n, 1))
     if _flags.read_all() != before:
         print("error: the benchmark left the flags changed", file=sys.stderr)
@@ -228,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     print(f"  cudnn.flags() {cudnn:.1f}")
     print(f"  proxy on top of the scope around the same call, under no_grad {proxy_no_grad_over:.1f} [target <= 300]")
     print(f"  proxy on top of the scope around the same call, grad mode {proxy_over:.1f}")
+    traced_over = med[traced] - med["Fp32ScopedModule call under no_grad, both switch"]
+    print(f"  a proxy call inside fp32scope.trace(), on top of the same call outside it {traced_over:.1f}")
     print(f"  decorator on top of the scope around the same call {decorated_over:.1f}")
+    checks = med["the trace/profiler checks of a scoped call, neither recording"] - bare
+    print(f"  the trace/profiler checks of a scoped call, neither recording {checks:.1f}")
     callback = med["reading Dynamo's frame callback (one C call)"]
     print(f"  of which reading Dynamo's frame callback (the call itself, not minus the bare call) {callback:.1f}")
     autocast_read = med["reading whether any autocast is on (one C call)"]

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from fp32scope._process import current_fp32_precision, set_process_default
     from fp32scope._proxy import Fp32ScopedModule, precision_of
     from fp32scope._scope import fp32_precision_scope
+    from fp32scope._trace import Fp32Trace, Fp32TraceEvent, trace
     from fp32scope._unchanged import assert_fp32_flags_unchanged
 
 # Public names load on first use (PEP 562): the pytest plugin lives in this package and is
@@ -62,6 +63,9 @@ _HOMES = {
     "Fp32ScopedModule": "_proxy",
     "precision_of": "_proxy",
     "fp32_precision_scope": "_scope",
+    "Fp32Trace": "_trace",
+    "Fp32TraceEvent": "_trace",
+    "trace": "_trace",
     "assert_fp32_flags_unchanged": "_unchanged",
 }
 
@@ -91,6 +95,8 @@ __all__ = [
     "Fp32Precision",
     "Fp32ScopeError",
     "Fp32ScopedModule",
+    "Fp32Trace",
+    "Fp32TraceEvent",
     "aoti_compile_and_package",
     "aoti_load_package",
     "assert_fp32_flags_unchanged",
@@ -104,6 +110,7 @@ __all__ = [
     "scope_modules",
     "scoped_modules",
     "set_process_default",
+    "trace",
     "unscope_modules",
     "with_fp32_precision",
 ]

@@ -129,7 +129,7 @@ class _State:
 
     def scope(self) -> fp32_precision_scope:
         """A new scope for this call's backward (warnings and errors name the node)."""
-        return wrapper_scope(self.precision, self.name or "backward")
+        return wrapper_scope(self.precision, self.name or "backward", "backward")  # phase: issue 20, trace()
 
 
 def recording_scope(scope: fp32_precision_scope) -> fp32_precision_scope:

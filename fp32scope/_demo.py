@@ -41,6 +41,7 @@ from fp32scope._precision import MATMUL_PRECISIONS, Fp32Precision
 from fp32scope._process import current_fp32_precision, set_process_default
 from fp32scope._proxy import Fp32ScopedModule
 from fp32scope._scope import fp32_precision_scope
+from fp32scope._trace import Fp32Trace, Fp32TraceEvent, trace
 
 __all__ = ["DESCRIPTION", "EPILOG", "DemoResult", "NodeResult", "add_arguments", "render", "run", "run_demo"]
 
@@ -49,6 +50,7 @@ _BATCH = 64
 _FEATURES = 512
 _STEPS = 3
 _FULL_FP32 = Fp32Precision("highest", False)
+_TRACE_TITLE = "fp32scope.trace() of the first request (it compiles the nodes; nodes without a scope make no event):"
 _RECOMPILE_METHOD = (
     "a counting wrapper around the backend: graphs compiled during the warmup pass, and "
     "recompiles = graphs compiled after it"
@@ -160,6 +162,8 @@ class DemoResult:
     steps_s: float
     dynamo_resets_medium: bool | None = None
     nodes_scoped_with_default: bool = False
+    #: fp32scope.trace() of the first request (the warmup pass, which compiles each node).
+    trace: list[Fp32TraceEvent] = dataclasses.field(default_factory=list)
 
     @property
     def numeric_effect(self) -> bool:
@@ -169,13 +173,15 @@ class DemoResult:
     @property
     def ok(self) -> bool:
         """True when every node is ok, ran from the process default, and no graph broke."""
-        return self.graph_breaks == 0 and all(node.ok and node.before == self.default for node in self.nodes)
+        nodes_ok = all(node.ok and node.before == self.default for node in self.nodes)
+        return self.graph_breaks == 0 and nodes_ok and all(event.matches for event in self.trace)
 
     def as_json(self) -> dict[str, Any]:
         """The result as JSON-ready data (the ``--json`` output)."""
         data = dataclasses.asdict(self)
         data["numeric_effect"] = self.numeric_effect
         data["ok"] = self.ok
+        data["trace"] = [event._asdict() for event in self.trace]
         for node, raw in zip(self.nodes, data["nodes"], strict=True):
             raw["ok"] = node.ok
         converted: dict[str, Any] = _precisions_as_dicts(data)
@@ -360,7 +366,8 @@ def run_demo(
         # fp32scope refuses a scope on a second thread while one is active.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix=_FORWARD_THREAD) as forward:
             start = time.perf_counter()
-            forward.submit(_warmup, nodes, x).result()
+            with trace() as first_request:
+                forward.submit(_warmup, nodes, x).result()
             if target.type == "cuda" and torch.cuda.is_available():
                 forward.submit(_capture, nodes, x).result()
             warmup_s = time.perf_counter() - start
@@ -384,6 +391,7 @@ def run_demo(
             steps_s=steps_s,
             dynamo_resets_medium=resets,
             nodes_scoped_with_default=bool(resets),
+            trace=first_request,
         )
     finally:
         _flags.restore_raw_state(saved)
@@ -460,6 +468,7 @@ def render(result: DemoResult) -> str:
             "every node after the first compile would run 'high'. See 'A medium default on torch 2.4 to 2.8' "
             "in the compiled-code guide."
         )
+    lines += ["", _TRACE_TITLE, str(Fp32Trace(r.trace))]
     lines.append("all nodes ok." if r.ok else "PROBLEM: a node ran with the wrong precision, recompiled, or broke.")
     return "\n".join(lines)
 

@@ -23,17 +23,24 @@ import torch
 from fp32scope import _flags
 from fp32scope._compat import cpu_capability
 from fp32scope._dynamo_exclude import dynamo_resets_medium
+from fp32scope._precision import Fp32Precision
 
 __all__ = [
     "DESCRIPTION",
     "EPILOG",
     "CudaDevice",
     "Diagnosis",
+    "ModelLoadError",
+    "ModelNode",
+    "ModelReport",
     "Problem",
     "add_arguments",
+    "check_model",
     "diagnose",
     "environment_overrides",
+    "load_model",
     "render",
+    "render_model",
     "run",
 ]
 
@@ -344,10 +351,12 @@ It also says whether torch.compile turns a "medium" matmul precision into
 
 #: The ``doctor --help`` closing lines.
 EPILOG = """\
-exit status: 0 when the state is consistent; 1 when it is mixed (the two APIs
-disagree) or an environment variable overrides the TF32 flags
-(TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, NVIDIA_TF32_OVERRIDE=0);
-2 for a bad option, or a --import module that does not import."""
+exit status: 0 when the state is consistent (and, with --model, every module
+that declares a precision runs in it); 1 when it is mixed (the two APIs
+disagree), an environment variable overrides the TF32 flags
+(TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, NVIDIA_TF32_OVERRIDE=0), or a module runs
+outside its declared precision; 2 for a bad option, a --import module that does
+not import, or a --model that cannot be loaded."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -364,6 +373,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "engine's configuration module, are what the doctor checks"
         ),
     )
+    parser.add_argument(
+        "--model",
+        metavar="MODULE:ATTR",
+        help=(
+            "also check a model: import MODULE and take its attribute ATTR, a torch.nn.Module "
+            "or a function or class that returns one when called without arguments; list the "
+            "scoped nodes (Fp32ScopedModule) with their precision, and every submodule that "
+            "declares a precision (float32_matmul_precision, cudnn_allow_tf32) but does not "
+            "run in it"
+        ),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -377,9 +397,254 @@ def run(args: argparse.Namespace) -> int:
             reason = " ".join(f"{type(error).__name__}: {error}".split())
             print(f"fp32scope doctor: --import {module}: the module does not import ({reason})", file=sys.stderr)
             return 2
+    report = None
+    if args.model is not None:
+        try:
+            report = check_model(load_model(args.model), args.model)
+        except ModelLoadError as error:
+            print(f"fp32scope doctor: --model {args.model}: {error}", file=sys.stderr)
+            return 2
     diagnosis = diagnose()
     if args.json:
-        print(json.dumps(diagnosis.as_json(), indent=2))
+        data = diagnosis.as_json()
+        if report is not None:
+            data["model"] = report.as_json()
+        print(json.dumps(data, indent=2))
     else:
         print(render(diagnosis))
-    return 0 if diagnosis.consistent and not diagnosis.overrides else 1
+        if report is not None:
+            print()
+            print(render_model(report))
+    return 0 if diagnosis.consistent and not diagnosis.overrides and (report is None or report.ok) else 1
+
+
+# -- --model: which nodes of a model are scoped, and which declare a precision they lack ---
+
+
+_MISSING = object()
+
+
+class ModelLoadError(Exception):
+    """The ``--model`` target cannot be imported, called, or is not a module (exit status 2)."""
+
+
+def load_model(target: str) -> torch.nn.Module:
+    """The module ``MODULE:ATTR`` names: the attribute itself, or what calling it returns."""
+    module_name, sep, attribute = target.partition(":")
+    if not sep or not module_name or not attribute:
+        msg = f"expected MODULE:ATTR (for example engine.model:build_model); got {target!r}"
+        raise ModelLoadError(msg)
+    try:
+        obj: object = importlib.import_module(module_name)
+    except Exception as error:  # the user's module: report any failure, exit 2
+        msg = f"the module does not import ({_one_line(error)})"
+        raise ModelLoadError(msg) from error
+    for part in attribute.split("."):
+        obj = getattr(obj, part, _MISSING)
+        if obj is _MISSING:
+            on = f" ({part!r} is missing)" if part != attribute else ""
+            msg = f"{module_name} has no attribute {attribute!r}{on}"
+            raise ModelLoadError(msg)
+    if not isinstance(obj, torch.nn.Module) and callable(obj):
+        try:
+            obj = obj()
+        except Exception as error:  # the user's factory: report any failure, exit 2
+            msg = f"calling {attribute} without arguments failed ({_one_line(error)})"
+            raise ModelLoadError(msg) from error
+    if not isinstance(obj, torch.nn.Module):
+        msg = (
+            f"{attribute} is not a torch.nn.Module, nor a callable that returns one; got "
+            f"an object of type {type(obj).__name__}"
+        )
+        raise ModelLoadError(msg)
+    return obj
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(f"{type(error).__name__}: {error}".split())
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelNode:
+    """One submodule of the checked model: its path, class, and precisions."""
+
+    path: str
+    type: str
+    #: What the submodule declares on its class or instance (None: nothing).
+    declares: Fp32Precision | None
+    #: The precision the enclosing scoped nodes (itself included) apply; None: none applies.
+    runs_in: Fp32Precision | None
+    #: The path of the innermost scoped node it runs in (None: none).
+    scoped_by: str | None
+    #: Why its declaration is not what it runs in (None: it is).
+    problem: str | None = None
+    #: What makes it run in its declaration (None: nothing to fix, or no fix to suggest).
+    fix: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelReport:
+    """What ``doctor --model`` found: the scoped nodes and the modules that declare a precision."""
+
+    target: str
+    scoped: tuple[ModelNode, ...]
+    declaring: tuple[ModelNode, ...]
+
+    @property
+    def findings(self) -> tuple[ModelNode, ...]:
+        """The declaring submodules that do not run in their declared precision."""
+        return tuple(node for node in self.declaring if node.problem is not None)
+
+    @property
+    def ok(self) -> bool:
+        """True when every module that declares a precision runs in it."""
+        return not self.findings
+
+    def as_json(self) -> dict[str, object]:
+        """The report as JSON-ready data (``model`` in the ``--json`` output)."""
+
+        def node(n: ModelNode) -> dict[str, object]:
+            data = dataclasses.asdict(n)
+            for key in ("declares", "runs_in"):
+                value = getattr(n, key)
+                data[key] = None if value is None else value._asdict()
+            return data
+
+        return {
+            "target": self.target,
+            "ok": self.ok,
+            "scoped": [node(n) for n in self.scoped],
+            "declaring": [node(n) for n in self.declaring],
+            "findings": [node(n) for n in self.findings],
+        }
+
+
+def _combine(outer: Fp32Precision | None, inner: Fp32Precision | None) -> Fp32Precision | None:
+    # A scope inside another replaces the fields it sets and keeps the others.
+    if inner is None:
+        return outer
+    if outer is None:
+        return inner
+    return Fp32Precision(
+        inner.matmul if inner.matmul is not None else outer.matmul,
+        inner.cudnn_allow_tf32 if inner.cudnn_allow_tf32 is not None else outer.cudnn_allow_tf32,
+    )
+
+
+def _mismatch(declares: Fp32Precision, runs_in: Fp32Precision | None) -> list[str]:
+    fields = []
+    for field in ("matmul", "cudnn_allow_tf32"):
+        wanted = getattr(declares, field)
+        if wanted is not None and (runs_in is None or getattr(runs_in, field) != wanted):
+            fields.append(field)
+    return fields
+
+
+def _unwrap(module: torch.nn.Module) -> tuple[torch.nn.Module, Fp32Precision | None]:
+    """The bare module under proxies and compiled modules, and the precision the proxies apply."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from fp32scope._proxy import Fp32ScopedModule, precision_of
+
+    applied: Fp32Precision | None = None
+    while True:  # a proxy around a compiled module around ...: one node, one path
+        if isinstance(module, Fp32ScopedModule):
+            precision = precision_of(module)
+            if precision is not None and not precision.is_noop:
+                applied = _combine(precision, applied)  # the inner proxy's fields win
+            module = module.__wrapped__
+        elif isinstance(module, OptimizedModule):
+            module = module._orig_mod
+        else:
+            return module, applied
+
+
+def _walk(model: torch.nn.Module) -> tuple[list[ModelNode], list[ModelNode]]:
+    """Every scoped node of ``model`` and every submodule that declares a precision.
+
+    Walks the module tree through proxies (their ``__wrapped__``) and compiled modules (their
+    ``_orig_mod``), each module once, with the precision the enclosing proxies apply; its
+    scoped nodes are :func:`~fp32scope.scoped_modules`'s (tested), with what encloses them.
+    """
+    from fp32scope._node import node_fp32_precision
+
+    scoped: list[ModelNode] = []
+    declaring: list[ModelNode] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, torch.nn.Module, Fp32Precision | None, str | None]] = [("", model, None, None)]
+    while stack:
+        path, module, runs_in, scoped_by = stack.pop()
+        if id(module) in seen:  # a module reached twice (shared): listed at its first path
+            continue
+        seen.add(id(module))
+        shown = path or "(model)"
+        module, precision = _unwrap(module)
+        seen.add(id(module))
+        if precision is not None:
+            runs_in = _combine(runs_in, precision)
+            scoped_by = shown
+            scoped.append(ModelNode(shown, type(module).__name__, None, runs_in, scoped_by))
+        try:
+            declares = node_fp32_precision(shown, module)
+        except (TypeError, ValueError) as error:
+            declaring.append(ModelNode(shown, type(module).__name__, None, runs_in, scoped_by, f"invalid: {error}"))
+        else:
+            if declares is not None:
+                problem = fix = None
+                fields = _mismatch(declares, runs_in)
+                if fields:
+                    where = (
+                        "is in no scoped node"
+                        if scoped_by is None
+                        else f"scoped node {scoped_by!r} applies {_show(runs_in)}"
+                    )
+                    problem = f"declares {_show(declares)} but {where} ({', '.join(fields)})"
+                    fix = f"wrap it: Fp32ScopedModule(module, node_fp32_precision({shown!r}, module))"
+                node = ModelNode(shown, type(module).__name__, declares, runs_in, scoped_by, problem, fix)
+                declaring.append(node)
+        children = list(module._modules.items())
+        stack.extend(
+            (f"{path}.{key}" if path else key, child, runs_in, scoped_by)
+            for key, child in reversed(children)
+            if child is not None
+        )
+    return scoped, declaring
+
+
+def _show(precision: Fp32Precision | None) -> str:
+    if precision is None:
+        return "the process default"
+    cudnn = {None: "", True: "/cudnn-tf32", False: "/cudnn-fp32"}[precision.cudnn_allow_tf32]
+    return f"{precision.matmul or '-'}{cudnn}"
+
+
+def check_model(model: torch.nn.Module, target: str = "model") -> ModelReport:
+    """Which nodes of ``model`` are scoped, and whether each declaring submodule runs in its precision."""
+    scoped, declaring = _walk(model)
+    return ModelReport(target, tuple(scoped), tuple(declaring))
+
+
+def render_model(report: ModelReport) -> str:
+    """The model report as the text ``doctor --model`` prints."""
+    lines = [f"model {report.target}:"]
+    if report.scoped:
+        lines.append(f"scoped nodes ({len(report.scoped)}):")
+        width = max(len(n.path) for n in report.scoped)
+        lines.extend(f"  {n.path:<{width}}  {_show(n.runs_in)}  ({n.type})" for n in report.scoped)
+    else:
+        lines.append("scoped nodes: none")
+    covered = [n for n in report.declaring if n.problem is None]
+    if covered:
+        lines.append("declaring modules that run in their precision:")
+        lines.extend(
+            f"  {n.path} ({n.type}) declares {_show(n.declares)}, runs in scoped node {n.scoped_by!r}" for n in covered
+        )
+    if report.ok:
+        lines.append("ok: every module that declares a precision runs in it.")
+    else:
+        lines.append(f"FOUND {len(report.findings)} module(s) not running in the precision they declare:")
+        for i, n in enumerate(report.findings, 1):
+            lines.append(f"  {i}. {n.path} ({n.type}) {n.problem}")
+            if n.fix is not None:
+                lines.append(f"     {n.fix}")
+    return "\n".join(lines)

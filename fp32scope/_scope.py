@@ -15,6 +15,11 @@ from fp32scope._autograd_threads import runs_backward_for
 from fp32scope._compat import DYNAMO_RESETS_MEDIUM, DYNAMO_TRACES_SCOPES_MADE_INSIDE, is_exporting
 from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
 from fp32scope._precision import MATMUL_PRECISIONS, Fp32Precision, check_precision
+from fp32scope._trace import entered as _trace_enter
+from fp32scope._trace import exited as _trace_exit
+from fp32scope._trace import open_ranges as _ranges
+from fp32scope._trace import open_traces as _traces
+from fp32scope._trace import profiler_state as _profiler_state
 
 __all__ = [
     "Token",
@@ -218,7 +223,8 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
 
     # _marks is used by _LegacyDynamoScope only; declared here so that an instance can
     # switch to that subclass (same layout) when it is made.
-    __slots__ = ("_fields", "_marks", "_name", "_outer", "_stacklevel", "_token")
+    __slots__ = ("_fields", "_marks", "_name", "_outer", "_phase", "_stacklevel", "_token")
+    _phase: str  # set by wrapper_scope only: "forward" or "backward", for fp32scope.trace()
 
     def __init__(self, precision: Fp32Precision | None) -> None:
         if _REFUSE_WHEN_MADE and _is_compiling():
@@ -270,6 +276,8 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
                 self._outer = []
             self._outer.append(self._token)
         self._token = token
+        if _traces or _profiler_state["_is_profiler_enabled"]:  # trace() or a profiler records: _trace
+            _trace_enter(self, _depth)
 
     def __exit__(
         self,
@@ -280,8 +288,10 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
         token = self._token
         if token is None:
             return
-        self._token = self._outer.pop() if self._outer else None
         global _depth  # noqa: PLW0603
+        if _ranges:  # a profiler range this entry may have opened (_trace)
+            _trace_exit(_depth)
+        self._token = self._outer.pop() if self._outer else None
         try:
             changed = _restore(token)
         finally:
@@ -336,6 +346,9 @@ class _LegacyDynamoScope(fp32_precision_scope):
         token = self._token
         if token is None:
             return
+        global _depth  # noqa: PLW0603
+        if _ranges:  # a profiler range this entry may have opened (_trace)
+            _trace_exit(_depth)
         frames, keep_medium = self._marks.pop()
         t, b = token[0], token[1]
         reset = _dynamo_frames() != frames and _GM() == "high"
@@ -343,7 +356,6 @@ class _LegacyDynamoScope(fp32_precision_scope):
         # and the cuDNN field (if any) still holds.
         torch_only = reset and t == "medium" and (b is None or _GB() is b)
         self._token = self._outer.pop() if self._outer else None
-        global _depth  # noqa: PLW0603
         try:
             changed = _restore(token)
             if keep_medium and reset:
@@ -356,10 +368,15 @@ class _LegacyDynamoScope(fp32_precision_scope):
             _warn_changed(changed, self._name, self._stacklevel)
 
 
-def wrapper_scope(precision: Fp32Precision | None, name: str) -> fp32_precision_scope:
-    """A scope for a wrapper to enter around each call; warnings point at the wrapper's caller."""
+def wrapper_scope(precision: Fp32Precision | None, name: str, phase: str = "forward") -> fp32_precision_scope:
+    """A scope for a wrapper to enter around each call; warnings point at the wrapper's caller.
+
+    ``phase`` (``"forward"``, or ``"backward"`` for a recorded call's backward) is what
+    :func:`fp32scope.trace` and the profiler ranges report for its entries.
+    """
     scope = fp32_precision_scope(precision)
     scope._name = name
+    scope._phase = phase
     scope._stacklevel = 3
     return scope
 

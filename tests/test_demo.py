@@ -13,7 +13,7 @@ import torch
 
 from fp32scope import Fp32Precision, _flags
 from fp32scope.__main__ import main
-from fp32scope._demo import NodeResult, run_demo
+from fp32scope._demo import _TRACE_TITLE, NodeResult, run_demo
 from fp32scope._dynamo_exclude import dynamo_resets_medium
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +48,16 @@ def test_each_node_runs_with_its_precision_and_leaves_the_default(capsys: pytest
         assert node["forward_thread"].startswith("fp32scope-forward")
         assert node["cuda_graph"] is False
     assert data["graph_breaks"] == 0
+    # fp32scope.trace() of the first request: the scoped node's compiling call, in its precision.
+    assert data["trace"] == [
+        {
+            "name": "head",
+            "phase": "forward",
+            "precision": FULL,
+            "observed": FULL,
+            "thread": nodes["head"]["forward_thread"],
+        }
+    ]
     # The demo restores the caller's flags.
     assert _flags.read_all() == readings
 
@@ -103,6 +113,9 @@ def test_table(capsys: pytest.CaptureFixture[str], default: str) -> None:
     else:
         assert all(len(row) == 7 for row in rows)
     assert lines[-1] == "all nodes ok."
+    traced = lines.index(_TRACE_TITLE)
+    assert lines[traced + 1].split() == ["node", "phase", "precision", "observed", "match", "thread"]
+    assert lines[traced + 2].split()[:5] == ["head", "forward", "highest/cudnn-fp32", "highest/cudnn-fp32", "yes"]
     assert "fp32scope demo: 3 torch.compile'd nodes, backend 'eager', device cpu" in lines[0]
 
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -251,3 +252,221 @@ def test_a_module_that_does_not_import_is_one_line_and_exit_status_2(
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("fp32scope doctor: --import nosuchmod: the module does not import (")
     assert reason in lines[0]
+
+
+# -- doctor --model -------------------------------------------------------------------
+
+MODEL_FILE = """
+import torch
+from fp32scope import Fp32Precision, Fp32ScopedModule, node_fp32_precision
+
+
+class Head(torch.nn.Linear):
+    float32_matmul_precision = "highest"
+    cudnn_allow_tf32 = False
+
+
+class Norm(torch.nn.LayerNorm):
+    float32_matmul_precision = "highest"
+
+
+class Model(torch.nn.Module):
+    def __init__(self, scope_head=True, scope_norm=False):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 4), Norm(4))
+        head = Head(4, 4)
+        if scope_head:
+            head = Fp32ScopedModule(head, node_fp32_precision("head", head), name="head")
+        self.head = head
+        if scope_norm:
+            self.body = Fp32ScopedModule(self.body, Fp32Precision("highest"), name="body")
+
+
+def build():
+    return Model(scope_norm=True)
+
+
+def build_compiled():
+    model = Model(scope_norm=True)
+    model.head = Fp32ScopedModule(torch.compile(Head(4, 4)), Fp32Precision("highest", False), name="head")
+    return torch.compile(model)
+
+
+def wrong_precision():
+    model = Model(scope_head=False, scope_norm=True)
+    model.head = Fp32ScopedModule(Head(4, 4), Fp32Precision("highest", True), name="head")
+    return model
+
+
+class Bad(torch.nn.Linear):
+    float32_matmul_precision = "fp32"
+
+
+def invalid():
+    return torch.nn.Sequential(Bad(2, 2))
+
+
+unscoped = Model()
+not_a_module = 42
+
+
+class Zoo:
+    built = build()
+
+
+def fails():
+    raise RuntimeError("no weights\\nhere")
+"""
+
+
+@pytest.fixture
+def engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    (tmp_path / "engine_model.py").write_text(MODEL_FILE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "engine_model"
+    sys.modules.pop("engine_model", None)
+
+
+def model_report(capsys: pytest.CaptureFixture[str], target: str) -> tuple[int, dict[str, Any]]:
+    status = main(["doctor", "--json", "--model", target])
+    data: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return status, data["model"]
+
+
+FULL_JSON = {"matmul": "highest", "cudnn_allow_tf32": False}
+
+
+def test_model_with_every_declaring_module_scoped(capsys: pytest.CaptureFixture[str], engine: str) -> None:
+    status, model = model_report(capsys, f"{engine}:build")
+    assert status == 0
+    assert model["ok"] is True
+    assert [(n["path"], n["type"], n["runs_in"]) for n in model["scoped"]] == [
+        ("body", "Sequential", {"matmul": "highest", "cudnn_allow_tf32": None}),
+        ("head", "Head", FULL_JSON),
+    ]
+    assert [(n["path"], n["scoped_by"], n["problem"]) for n in model["declaring"]] == [
+        ("body.1", "body", None),
+        ("head", "head", None),
+    ]
+    assert model["findings"] == []
+    assert main(["doctor", "--model", f"{engine}:build"]) == 0
+    out = capsys.readouterr().out
+    assert "model engine_model:build:\nscoped nodes (2):\n  body  highest  (Sequential)\n" in out
+    assert "  head  highest/cudnn-fp32  (Head)\n" in out
+    assert out.rstrip().endswith("ok: every module that declares a precision runs in it.")
+
+
+def test_an_unscoped_declaring_module_is_a_finding(capsys: pytest.CaptureFixture[str], engine: str) -> None:
+    status, model = model_report(capsys, f"{engine}:unscoped")
+    assert status == 1
+    assert model["ok"] is False
+    assert [(n["path"], n["type"], n["declares"]) for n in model["findings"]] == [
+        ("body.1", "Norm", {"matmul": "highest", "cudnn_allow_tf32": None}),
+    ]
+    assert model["findings"][0]["runs_in"] is None
+    assert main(["doctor", "--model", f"{engine}:unscoped"]) == 1
+    out = capsys.readouterr().out
+    assert "FOUND 1 module(s) not running in the precision they declare:" in out
+    assert (
+        "  1. body.1 (Norm) declares highest but is in no scoped node (matmul)\n"
+        "     wrap it: Fp32ScopedModule(module, node_fp32_precision('body.1', module))\n"
+    ) in out
+
+
+def test_a_scoped_node_with_another_precision_than_declared_is_a_finding(
+    capsys: pytest.CaptureFixture[str], engine: str
+) -> None:
+    status, model = model_report(capsys, f"{engine}:wrong_precision")
+    assert status == 1
+    (finding,) = model["findings"]
+    assert finding["path"] == "head"
+    assert finding["scoped_by"] == "head"
+    assert finding["problem"] == (
+        "declares highest/cudnn-fp32 but scoped node 'head' applies highest/cudnn-tf32 (cudnn_allow_tf32)"
+    )
+    assert finding["fix"] == "wrap it: Fp32ScopedModule(module, node_fp32_precision('head', module))"
+
+
+def test_an_invalid_declaration_is_a_finding(capsys: pytest.CaptureFixture[str], engine: str) -> None:
+    status, model = model_report(capsys, f"{engine}:invalid")
+    assert status == 1
+    (finding,) = model["findings"]
+    assert finding["path"] == "0"
+    assert finding["problem"].startswith("invalid: float32_matmul_precision of node '0' must be one of")
+
+
+@pytest.mark.compile
+def test_a_compiled_model_is_read_through(capsys: pytest.CaptureFixture[str], engine: str) -> None:
+    status, model = model_report(capsys, f"{engine}:build_compiled")
+    assert status == 0
+    assert [(n["path"], n["type"]) for n in model["scoped"]] == [("body", "Sequential"), ("head", "Head")]
+    assert model["findings"] == []
+
+
+@pytest.mark.parametrize("factory", ["build", "build_compiled", "wrong_precision", "unscoped"])
+def test_the_scoped_nodes_are_those_scoped_modules_lists(
+    capsys: pytest.CaptureFixture[str], engine: str, factory: str
+) -> None:
+    import importlib
+
+    from fp32scope import scoped_modules
+
+    built = getattr(importlib.import_module(engine), factory)
+    model = built if isinstance(built, torch.nn.Module) else built()
+    _, report = model_report(capsys, f"{engine}:{factory}")
+    listed = {n["path"]: n["runs_in"] for n in report["scoped"]}
+    expected = {name: precision._asdict() for name, precision in scoped_modules(model).items()}
+    assert listed == expected
+
+
+def test_a_model_object_and_a_class_are_accepted(capsys: pytest.CaptureFixture[str], engine: str) -> None:
+    # A module attribute is used as it is; a class (callable, not a module) is called.
+    status, model = model_report(capsys, f"{engine}:Model")
+    assert status == 1
+    assert [n["path"] for n in model["scoped"]] == ["head"]
+    assert [n["path"] for n in model["findings"]] == ["body.1"]
+    assert model["target"] == f"{engine}:Model"
+    # A dotted attribute: an attribute of an attribute.
+    status, model = model_report(capsys, f"{engine}:Zoo.built")
+    assert status == 0
+    assert [n["path"] for n in model["scoped"]] == ["body", "head"]
+    assert main(["doctor", "--model", f"{engine}:Zoo.missing"]) == 2
+    assert "engine_model has no attribute 'Zoo.missing' ('missing' is missing)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("engine_model", "expected MODULE:ATTR (for example engine.model:build_model); got 'engine_model'"),
+        ("no_such_module:x", "the module does not import (ModuleNotFoundError: No module named 'no_such_module')"),
+        ("engine_model:missing", "engine_model has no attribute 'missing'"),
+        ("engine_model:fails", "calling fails without arguments failed (RuntimeError: no weights here)"),
+        ("engine_model:not_a_module", "not_a_module is not a torch.nn.Module, nor a callable that returns one; got"),
+    ],
+    ids=["no-colon", "no-module", "no-attribute", "factory-fails", "not-a-module"],
+)
+def test_a_model_that_cannot_be_loaded_is_exit_status_2(
+    capsys: pytest.CaptureFixture[str], engine: str, target: str, message: str
+) -> None:
+    assert engine == "engine_model"
+    assert main(["doctor", "--model", target]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"fp32scope doctor: --model {target}: {message}")
+
+
+def test_doctor_model_as_a_ci_job_runs_it(tmp_path: Path) -> None:
+    (tmp_path / "engine_model.py").write_text(MODEL_FILE)
+    done = subprocess.run(
+        [sys.executable, "-m", "fp32scope", "doctor", "--model", "engine_model:unscoped"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "FOUND 1 module(s) not running in the precision they declare:" in done.stdout
