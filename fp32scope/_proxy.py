@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from types import MethodType
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import wrapt
@@ -308,7 +310,13 @@ def _scoped_forward(  # noqa: PLR0913, PLR0917  (one closure per property read: 
             return run_under_autocast(policy, scoped_forward, args, kwargs)
         fn = forward
         if active_callback():  # a compiled caller: compile the forward here, inside the scope
-            fn = compiled_call(fn, trampoline)
+            if type(forward) is MethodType:
+                # Each read of ``.forward`` binds a new method object, and torch 2.4's Dynamo
+                # guards the trampoline on its id (a recompile per call): pass its function
+                # and module, which stay the same.
+                fn = functools.partial(compiled_call(forward.__func__, trampoline), forward.__self__)
+            else:
+                fn = compiled_call(fn, trampoline)
         if grad_enabled() and backward:
             return call_recorded(record_scope, fn, args, kwargs)
         with scope:
@@ -344,6 +352,12 @@ _dynamo_exclude.exclude(
     ),
     graph_break=False,
 )
+# Where a compiled caller resumes after a graph break and reads ``child.forward`` (torch 2.4
+# starts a frame in the property's getter, and fails it): frames only, so that a Dynamo that
+# inlines the property (torch 2.15) still does.
+_forward_getter = cast("property", Fp32ScopedModule.forward).fget
+assert _forward_getter is not None
+_dynamo_exclude.exclude(_forward_getter, graph_break=False)
 
 
 def precision_of(obj: object) -> Fp32Precision | None:
