@@ -288,8 +288,9 @@ def aoti_load_package(
     """Load an AOTInductor package; every call of what it returns runs in the package's precision.
 
     Returns a :class:`ScopedAOTIModel`: a transparent wrapper around torch's
-    ``AOTICompiledModel`` (its ``__wrapped__``), loaded with ``torch._inductor.aoti_load_package(path, **torch_kwargs)``, whose every call
-    runs inside ``fp32_precision_scope`` with the precision recorded by
+    ``AOTICompiledModel`` (its ``__wrapped__``), loaded with
+    ``torch._inductor.aoti_load_package(path, **torch_kwargs)``, whose every call runs
+    inside ``fp32_precision_scope`` with the precision recorded by
     :func:`aoti_compile_and_package`, whatever this process's default;
     :func:`~fp32scope.precision_of` returns that precision.
 
