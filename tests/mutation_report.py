@@ -1,0 +1,97 @@
+"""The mutation score and the survivors of the last ``mutmut run`` (``nox -s mutation`` runs it).
+
+Run from the repository root after ``mutmut run``: reads mutmut's results, takes out the
+mutants that ``tests/mutation_equivalents.txt`` explains (an equivalent mutant, or code the
+mutation run cannot reach, each with its reason), prints the score over the rest and every
+unexplained survivor with its diff, and exits non-zero when the score is under ``TARGET``.
+An entry of the equivalents file that no longer matches a surviving mutant is printed as
+stale, so that the file does not outlive the code it explains.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+TARGET = 0.90
+EQUIVALENTS = Path(__file__).with_name("mutation_equivalents.txt")
+NOT_KILLED = ("survived", "no tests", "timeout", "suspicious", "segfault")
+
+
+def _mutmut(*args: str) -> str:
+    done = subprocess.run(["mutmut", *args], capture_output=True, text=True, check=True)  # noqa: S603, S607
+    return done.stdout
+
+
+def results() -> dict[str, str]:
+    """Every mutant's status, by name, from ``mutmut results --all true``."""
+    found: dict[str, str] = {}
+    for line in _mutmut("results", "--all", "true").splitlines():
+        name, sep, status = line.strip().rpartition(": ")
+        if sep and name.startswith("fp32scope."):
+            found[name] = status
+    return found
+
+
+def equivalents() -> list[tuple[str, str]]:
+    """(pattern, reason) per line of the equivalents file: a mutant name or an fnmatch glob, then ``  # `` and why."""
+    entries = []
+    for raw in EQUIVALENTS.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        pattern, _, reason = line.partition("  # ")
+        entries.append((pattern.strip(), reason.strip()))
+    return entries
+
+
+def explain(statuses: dict[str, str], entries: list[tuple[str, str]]) -> tuple[dict[str, str], set[str]]:
+    """The reason for each mutant not killed that an entry explains, and the entries used."""
+    explained: dict[str, str] = {}
+    used: set[str] = set()
+    for name, status in statuses.items():
+        if status not in NOT_KILLED:
+            continue
+        for pattern, reason in entries:
+            if fnmatch.fnmatchcase(name, pattern):
+                explained[name] = reason
+                used.add(pattern)
+                break
+    return explained, used
+
+
+def main() -> int:
+    statuses = results()
+    if not statuses:
+        print("mutation_report: no results: run `mutmut run` first", file=sys.stderr)
+        return 2
+    entries = equivalents()
+    explained, used = explain(statuses, entries)
+    counted = {n: s for n, s in statuses.items() if n not in explained and s != "not checked"}
+    tally = Counter(counted.values())
+    killed = tally["killed"] + tally["caught by type check"]
+    score = killed / len(counted) if counted else 0.0
+    print(f"mutants: {len(statuses)}; explained (equivalent or unreachable here): {len(explained)}")
+    print("counted: " + ", ".join(f"{status} {n}" for status, n in sorted(tally.items())))
+    by_reason = Counter(explained.values())
+    for reason, n in sorted(by_reason.items(), key=lambda item: -item[1]):
+        print(f"  explained, {n}: {reason}")
+    unexplained = sorted(n for n, s in counted.items() if s in NOT_KILLED)
+    for name in unexplained:
+        print(f"\n--- not killed ({counted[name]}): {name}")
+        print(_mutmut("show", name).rstrip())
+    for pattern, reason in entries:
+        if pattern not in used:
+            print(f"stale entry in {EQUIVALENTS.name} (matches no surviving mutant): {pattern}  # {reason}")
+    pending = sum(1 for s in statuses.values() if s == "not checked")
+    if pending:
+        print(f"\nnot checked yet: {pending} (the run was interrupted; `mutmut run` resumes)")
+    print(f"\nmutation score: {score:.1%} killed ({killed} of {len(counted)}); target {TARGET:.0%}")
+    return 0 if score >= TARGET and not pending else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
