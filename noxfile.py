@@ -168,4 +168,4 @@ def mutation(session: nox.Session, torch: str) -> None:
     """
     install(session, torch, "mutation")
     session.run("mutmut", "run", *session.posargs)
-    session.run("python", "tests/mutation_report.py")
+    session.run("python", "tests/mutation_report.py", "--rerun-survivors")

@@ -132,3 +132,50 @@ def test_the_flip_warning_of_an_unnamed_scope_names_no_node() -> None:
             torch.set_float32_matmul_precision("high")
 
     assert _flip_warning(block).startswith("The code inside an fp32_precision_scope changed the float32 precision")
+
+
+legacy_swapped_in = pytest.mark.skipif(
+    not _flags.HAS_NEW_API,
+    reason=f"torch {torch.__version__}: the legacy implementation is the one in use, and the flip tests run it",
+)
+
+
+@legacy_swapped_in
+@pytest.mark.parametrize("held", [False, True], ids=["applied", "already-held"])
+def test_the_legacy_implementation_undoes_and_names_a_flip(monkeypatch: pytest.MonkeyPatch, held: bool) -> None:
+    # What torch < 2.9 runs, swapped in on this torch as tests/test_state_machine.py does.
+    monkeypatch.setattr(_scope, "_apply", _flags.legacy_apply)
+    monkeypatch.setattr(_scope, "_restore", _flags.legacy_restore)
+    torch.set_float32_matmul_precision("highest" if held else "high")
+    torch.backends.cudnn.allow_tf32 = not held
+    before = _flags.read_all()
+
+    def block() -> None:
+        with fp32_precision_scope(Fp32Precision("highest", False)):
+            torch.set_float32_matmul_precision("medium")
+            torch.backends.cudnn.allow_tf32 = True
+
+    message = _flip_warning(block)
+    assert _flags.read_all() == before
+    matmul, _, cudnn = message.partition("Changed: ")[2].partition("; ")
+    assert matmul.startswith("matmul precision applied as 'highest', found ")
+    assert f"{_flags.LEGACY_MATMUL} = 'medium', {_flags.LEGACY_CUBLAS} = True" in matmul
+    assert cudnn.startswith(f"cudnn_allow_tf32 applied as False, found {_flags.LEGACY_CUDNN} = True")
+
+
+@legacy_swapped_in
+def test_the_legacy_implementation_names_a_cudnn_flip_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_scope, "_apply", _flags.legacy_apply)
+    monkeypatch.setattr(_scope, "_restore", _flags.legacy_restore)
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    before = _flags.read_all()
+
+    def block() -> None:
+        with fp32_precision_scope(Fp32Precision("high", False)):
+            torch.backends.cudnn.allow_tf32 = True
+
+    message = _flip_warning(block)
+    assert _flags.read_all() == before
+    assert "Changed: cudnn_allow_tf32 applied as False, found " in message
+    assert "matmul precision" not in message
