@@ -20,6 +20,7 @@ from fp32scope import (
     _flags,
     _scope,
     fp32_precision_scope,
+    node_fp32_precision,
     set_process_default,
     with_fp32_precision,
 )
@@ -38,10 +39,27 @@ def test_spellings_with_hyphens_and_underscores_get_the_hint(word: str, meant: s
 def test_an_error_without_a_node_starts_with_the_argument_alone() -> None:
     with pytest.raises(ValueError, match="must be one of") as matmul:
         fp32_precision_scope(Fp32Precision("fast"))  # type: ignore[arg-type]
-    assert str(matmul.value).startswith("precision.matmul must be one of 'highest', 'high', 'medium' or None")
+    assert str(matmul.value) == "precision.matmul must be one of 'highest', 'high', 'medium' or None; got 'fast'."
+    with pytest.raises(TypeError, match="must be a str") as not_str:
+        fp32_precision_scope(Fp32Precision(1))  # type: ignore[arg-type]
+    assert str(not_str.value) == (
+        "precision.matmul must be a str, one of 'highest', 'high', 'medium', or None; got 1 of type int."
+    )
     with pytest.raises(TypeError, match="must be True") as cudnn:
         set_process_default(Fp32Precision(None, "yes"))  # type: ignore[arg-type]
-    assert str(cudnn.value).startswith("precision.cudnn_allow_tf32 must be True, False or None; got 'yes'")
+    assert str(cudnn.value) == "precision.cudnn_allow_tf32 must be True, False or None; got 'yes' of type str."
+
+
+def test_argument_errors_name_the_argument_and_the_value_type() -> None:
+    with pytest.raises(TypeError, match="backward must be") as backward:
+        with_fp32_precision(Fp32Precision("high"), backward="yes")  # type: ignore[arg-type]
+    assert str(backward.value) == (
+        "backward must be True (scope the node's backward too, the default) or False (forward only); "
+        "got 'yes' of type str."
+    )
+    with pytest.raises(TypeError, match="node_name must be") as node_name:
+        node_fp32_precision(1, torch.nn.Linear(1, 1))  # type: ignore[arg-type]
+    assert str(node_name.value) == "node_name must be a str; got 1 of type int."
 
 
 def test_the_conflict_error_says_why_and_what_to_do() -> None:
@@ -63,6 +81,8 @@ def test_the_conflict_error_says_why_and_what_to_do() -> None:
         release.set()
         thread.join(10)
     message = str(caught.value)
+    assert message.startswith("Cannot enter an fp32_precision_scope on thread ")
+    assert "while thread 'forward' (ident " in message
     assert "is inside an fp32_precision_scope. The float32 precision flags are process-wide, not per thread" in message
     assert "this would change the precision of the kernels that thread is launching." in message
     assert "Run all scoped calls on one thread" in message
@@ -179,3 +199,27 @@ def test_the_legacy_implementation_names_a_cudnn_flip_alone(monkeypatch: pytest.
     assert _flags.read_all() == before
     assert "Changed: cudnn_allow_tf32 applied as False, found " in message
     assert "matmul precision" not in message
+
+
+def test_the_conflict_error_names_the_scope_it_refused() -> None:
+    inside, release = threading.Event(), threading.Event()
+
+    def forward() -> None:
+        with fp32_precision_scope(Fp32Precision("highest", False)):
+            inside.set()
+            release.wait(10)
+
+    @with_fp32_precision(Fp32Precision("medium"), name="decode")
+    def decode() -> None:
+        pass
+
+    thread = threading.Thread(target=forward, name="forward")
+    thread.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(Fp32ScopeError) as caught:
+            decode()
+    finally:
+        release.set()
+        thread.join(10)
+    assert str(caught.value).startswith("Cannot enter an fp32_precision_scope around 'decode' on thread ")
