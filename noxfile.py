@@ -94,10 +94,16 @@ for _python in PYTHONS:
     nox.session(name=f"tests-py{_python}", python=_python, tags=["python-matrix"])(_python_session(_python))
 
 
+def extra(name: str) -> list[str]:
+    """The requirements of pyproject.toml's optional dependency ``name`` (where the tools are pinned)."""
+    requirements: list[str] = nox.project.load_toml("pyproject.toml")["project"]["optional-dependencies"][name]
+    return requirements
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
-    """Ruff: lint and formatting."""
-    session.install("ruff>=0.6")
+    """Ruff (the version the ``lint`` extra pins): lint and formatting."""
+    session.install(*extra("lint"))  # the extra's tools alone: ruff needs neither torch nor the package
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
@@ -152,3 +158,22 @@ def examples(session: nox.Session, torch: str) -> None:
     session.install("numpy")  # as most users have it; else torch's import warns "Failed to initialize NumPy"
     for script in sorted(Path("examples").glob("*.py")):
         session.run("python", str(script))
+
+
+@nox.session
+@nox.parametrize("torch", TORCH_VERSIONS)
+def mutation(session: nox.Session, torch: str) -> None:
+    """Mutation testing (mutmut, pinned in the ``mutation`` extra): prints the score and the survivors.
+
+    Mutates the modules where a wrong line is a wrong result (``[tool.mutmut]`` in
+    pyproject.toml) and runs, for each mutant, the tests there that reach the mutated
+    function; then ``tests/mutation_report.py`` prints the score (mutants explained in
+    ``tests/mutation_equivalents.txt`` left out, each with its reason) and every other
+    mutant not killed, with its diff, and fails under 90%. Slow (about an hour on two busy
+    cores), so in neither the default sessions nor CI; results stay in ``mutants/`` and a
+    rerun tests only the mutants of changed functions. Arguments after ``--`` go to
+    ``mutmut run`` (``--max-children N``, or mutant names to rerun).
+    """
+    install(session, torch, "mutation")
+    session.run("mutmut", "run", *session.posargs)
+    session.run("python", "tests/mutation_report.py", "--rerun-survivors")

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         Fp32ScopeError,
     )
     from fp32scope._export import (
+        ScopedAOTIModel,
         aoti_compile_and_package,
         aoti_load_package,
         load_exported_program,
@@ -49,6 +50,7 @@ _HOMES = {
     "Fp32EagerFallbackWarning": "_errors",
     "Fp32FlagsChangedWarning": "_errors",
     "Fp32ScopeError": "_errors",
+    "ScopedAOTIModel": "_export",
     "aoti_compile_and_package": "_export",
     "aoti_load_package": "_export",
     "load_exported_program": "_export",
@@ -97,6 +99,7 @@ __all__ = [
     "Fp32ScopedModule",
     "Fp32Trace",
     "Fp32TraceEvent",
+    "ScopedAOTIModel",
     "aoti_compile_and_package",
     "aoti_load_package",
     "assert_fp32_flags_unchanged",

@@ -63,7 +63,9 @@ def capture_cuda_graph(
     defaults to the one ``fn`` carries (an :class:`~fp32scope.Fp32ScopedModule` or a
     :func:`~fp32scope.with_fp32_precision` function). The replayed graph keeps that
     precision after the scope has exited. The sample inputs become the static inputs
-    (they must be CUDA tensors). Raises :class:`RuntimeError` without a CUDA device.
+    (they must be CUDA tensors). Returns a :class:`CapturedCudaGraph`: calling it copies new
+    inputs into the static ones and replays the graph. Raises :class:`RuntimeError` without
+    a CUDA device.
     """
     checked = check_precision(precision)
     if not callable(fn):

@@ -2,8 +2,8 @@
 
 A node's precision cannot live inside one exported graph (torch reads the process-wide
 flags when it compiles the graph and when its kernels run), so it travels next to the
-graph: compiled in, recorded in the artifact (see :mod:`fp32scope._record`), and applied
-around every call of what is loaded from it.
+graph: compiled in, recorded in the artifact (see :mod:`fp32scope._export_record`), and
+applied around every call of what is loaded from it.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ import wrapt
 
 from fp32scope import _dynamo_exclude
 from fp32scope._compat import TORCH_RELEASE, aoti_packaging_missing
-from fp32scope._precision import Fp32Precision, check_precision
-from fp32scope._proxy import Fp32ScopedModule
-from fp32scope._record import (
+from fp32scope._export_record import (
     EXTRA_FILE,
     check_not_reserved,
     read_record,
@@ -28,6 +26,8 @@ from fp32scope._record import (
     record,
     record_file,
 )
+from fp32scope._precision import Fp32Precision, check_precision
+from fp32scope._proxy import Fp32ScopedModule
 from fp32scope._scope import fp32_precision_scope, wrapper_scope
 
 if TYPE_CHECKING:
@@ -217,6 +217,7 @@ else:  # subscripting at run time needs a newer wrapt than the 2.0 this library 
 class ScopedAOTIModel(_ProxyBase):
     """A loaded AOTInductor package whose every call runs in its node's precision.
 
+    What :func:`~fp32scope.aoti_load_package` returns; not made directly.
     Transparent like :class:`~fp32scope.Fp32ScopedModule`: ``isinstance`` against torch's
     ``AOTICompiledModel`` holds and ``get_metadata``, ``get_constant_fqns`` and
     ``load_constants`` are the package's. The bare model is ``__wrapped__``; the precision
@@ -232,6 +233,7 @@ class ScopedAOTIModel(_ProxyBase):
         self._self_scope = wrapper_scope(precision, name)
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        """Run the package on ``args`` and ``kwargs`` in its precision; returns the package's outputs."""
         with self._self_scope:
             return self.__wrapped__(*args, **kwargs)
 
@@ -267,9 +269,10 @@ def aoti_load_package(
 ) -> ScopedAOTIModel:
     """Load an AOTInductor package; every call of what it returns runs in the package's precision.
 
-    Returns a transparent wrapper around torch's ``AOTICompiledModel`` (its ``__wrapped__``),
-    loaded with ``torch._inductor.aoti_load_package(path, **torch_kwargs)``, whose every call
-    runs inside ``fp32_precision_scope`` with the precision recorded by
+    Returns a :class:`ScopedAOTIModel`: a transparent wrapper around torch's
+    ``AOTICompiledModel`` (its ``__wrapped__``), loaded with
+    ``torch._inductor.aoti_load_package(path, **torch_kwargs)``, whose every call runs
+    inside ``fp32_precision_scope`` with the precision recorded by
     :func:`aoti_compile_and_package`, whatever this process's default;
     :func:`~fp32scope.precision_of` returns that precision.
 

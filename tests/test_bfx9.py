@@ -23,7 +23,7 @@ from fp32scope import (
     set_process_default,
     with_fp32_precision,
 )
-from fp32scope._record import MATMUL_KEY, read_record, record
+from fp32scope._export_record import MATMUL_KEY, read_record, record
 from tests.releases import needs_bfx9, needs_new_api, needs_no_bfx9
 
 CUDA = "torch.backends.cuda.matmul.fp32_precision"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -82,9 +81,6 @@ def test_multiprocess_workers() -> None:
     assert out.count("inside the node Fp32Precision(matmul='highest', cudnn_allow_tf32=False)") == 4
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("fp32scope._pytest_plugin") is None, reason="fp32scope._pytest_plugin is not there yet"
-)
 def test_pytest_plugin_suite() -> None:
     out = run_example("pytest_plugin_suite.py")
     assert "1. the suite, with --fp32scope-strict:\n   pytest exit status 0: 4 passed" in out

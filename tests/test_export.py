@@ -35,8 +35,8 @@ from fp32scope import (
     Fp32ScopeError,
     _dynamo_exclude,
     _export,
+    _export_record,
     _flags,
-    _record,
     current_fp32_precision,
     fp32_precision_scope,
     precision_of,
@@ -198,16 +198,18 @@ def test_record_reads_with_torchs_loader(compiled: Compiled) -> None:
     [None, *(Fp32Precision(m, c) for m, c in product(MATMULS, (None, True, False)))],
 )
 def test_every_precision_round_trips_through_its_record(precision: Fp32Precision | None) -> None:
-    written = _record.record(precision)
+    written = _export_record.record(precision)
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in written.items())
-    assert _record.read_record(written, "here") == (precision or Fp32Precision())
-    assert _record.read_record_file(_record.record_file(precision), "here") == (precision or Fp32Precision())
+    assert _export_record.read_record(written, "here") == (precision or Fp32Precision())
+    assert _export_record.read_record_file(_export_record.record_file(precision), "here") == (
+        precision or Fp32Precision()
+    )
 
 
-@given(st.dictionaries(st.sampled_from([*_record.KEYS, "fp32scope.other", "engine"]), st.text(max_size=8)))
+@given(st.dictionaries(st.sampled_from([*_export_record.KEYS, "fp32scope.other", "engine"]), st.text(max_size=8)))
 def test_a_record_reads_back_as_written_or_is_refused(metadata: dict[str, str]) -> None:
     try:
-        found = _record.read_record(metadata, "here")
+        found = _export_record.read_record(metadata, "here")
     except ValueError as error:
         refusal = str(error)
         found = None
@@ -218,7 +220,7 @@ def test_a_record_reads_back_as_written_or_is_refused(metadata: dict[str, str]) 
     elif found is None:
         assert not any(k.startswith("fp32scope") for k in metadata)
     else:
-        assert {k: metadata[k] for k in _record.KEYS} == _record.record(found)
+        assert {k: metadata[k] for k in _export_record.KEYS} == _export_record.record(found)
 
 
 # -- run time ----------------------------------------------------------------------------
@@ -548,9 +550,9 @@ def test_a_saved_program_loads_in_its_recorded_precision(tmp_path: Path) -> None
     with fp32_precision_scope(matmul_only):
         torch.testing.assert_close(out, node(x))
     # The record is a plain extra file that torch.export.load gives anyone.
-    files = {_record.EXTRA_FILE: ""}
+    files = {_export_record.EXTRA_FILE: ""}
     torch.export.load(tmp_path / "node.pt2", extra_files=files)
-    assert json.loads(files[_record.EXTRA_FILE]) == _record.record(matmul_only)
+    assert json.loads(files[_export_record.EXTRA_FILE]) == _export_record.record(matmul_only)
 
 
 def test_a_saved_program_round_trips_through_a_buffer() -> None:
@@ -578,7 +580,9 @@ def test_saved_program_refusals(tmp_path: Path) -> None:
     make_unusual_state()
     state = _flags.save_raw_state()
     with pytest.raises(ValueError, match="reserved"):
-        fp32scope.save_exported_program(ep, tmp_path / "x.pt2", PRECISION, extra_files={_record.EXTRA_FILE: "{}"})
+        fp32scope.save_exported_program(
+            ep, tmp_path / "x.pt2", PRECISION, extra_files={_export_record.EXTRA_FILE: "{}"}
+        )
     with pytest.raises(TypeError, match="exported_program must be"):
         fp32scope.save_exported_program(Node(), tmp_path / "x.pt2", PRECISION)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="precision must be"):
@@ -639,6 +643,6 @@ def test_the_exported_guide_shows_the_record_keys() -> None:
     for key, value in RECORD.items():
         assert key in page
         assert value in page
-    assert _record.EXTRA_FILE in page
+    assert _export_record.EXTRA_FILE in page
     assert "AOTIModelPackageLoader" in page
     assert "get_metadata()" in page

@@ -17,11 +17,24 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH="$PWD"
 fi
+# pytest first, then the benchmarks and the demo; the script exits with pytest's status (a
+# failing benchmark or demo is reported and makes it exit non-zero too, when pytest passed).
+# No warning filters and no -p no:fp32scope: the package's warnings (errors under the
+# suite's filterwarnings) and its pytest plugin run here as everywhere else.
+log="$out/gpu-run.log"
+: >"$log"
+step() { "$@" 2>&1 | tee -a "$log"; }
+failed=()
+step python3 -c "import sys, torch, wrapt; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), 'wrapt', wrapt.__version__)" || failed+=("versions")
+pytest_status=0
+step python3 -m pytest tests/gpu -m gpu -v -p no:cacheprovider || pytest_status=$?
+step python3 benchmarks/bench_gpu.py || failed+=("bench_gpu.py")
+step python3 benchmarks/bench_scope.py --number 5000 --repeats 9 || failed+=("bench_scope.py")
+step python3 benchmarks/bench_training.py --repeats 9 || failed+=("bench_training.py")
+step python3 -m fp32scope demo --device cuda || failed+=("demo")
 {
-  python3 -c "import sys, torch, wrapt; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), 'wrapt', wrapt.__version__)"
-  python3 -m pytest tests/gpu -m gpu -v -p no:cacheprovider -p no:fp32scope -W ignore::UserWarning
-  python3 benchmarks/bench_gpu.py
-  python3 benchmarks/bench_scope.py --number 5000 --repeats 9
-  python3 benchmarks/bench_training.py --repeats 9
-  python3 -m fp32scope demo --device cuda
-} 2>&1 | tee "$out/gpu-run.log"
+  echo "run_on_device.sh: pytest exit status ${pytest_status}"
+  if ((${#failed[@]})); then echo "run_on_device.sh: FAILED besides pytest: ${failed[*]}"; fi
+} | tee -a "$log"
+if ((pytest_status != 0)); then exit "$pytest_status"; fi
+if ((${#failed[@]})); then exit 1; fi
