@@ -101,10 +101,9 @@ _record_function = torch.autograd.profiler.record_function
 _current: list[Callable[[], Fp32Precision]] = []
 _PROFILER_FLAG: Final = "_is_profiler_enabled"
 
-# release check: move to _compat
-_HAS_PROFILER_FLAG: Final = hasattr(torch.autograd.profiler, _PROFILER_FLAG)  # torch >= 2.2
-profiler_state: dict[str, Any] = vars(torch.autograd.profiler) if _HAS_PROFILER_FLAG else {_PROFILER_FLAG: True}
-_profiler_enabled: Callable[[], bool] = torch.autograd._profiler_enabled  # type: ignore[attr-defined]
+# torch's own Python flag for "a profiler records" (every supported torch has it, 2.2 and
+# later), read through the module's dict: see the module docstring.
+profiler_state: dict[str, Any] = vars(torch.autograd.profiler)
 
 
 def range_name(name: str, phase: str, precision: Fp32Precision) -> str:
@@ -131,7 +130,7 @@ def entered(scope: fp32_precision_scope, depth: int) -> None:
             event = Fp32TraceEvent(name, phase, precision, _current[0](), threading.current_thread().name)
             for events in traces:
                 events.append(event)
-        if profiler_state[_PROFILER_FLAG] and (_HAS_PROFILER_FLAG or _profiler_enabled()):
+        if profiler_state[_PROFILER_FLAG]:
             rf = _record_function(range_name(name, phase, precision))
             rf.__enter__()  # type: ignore[no-untyped-call]
             open_ranges.append((depth, rf))
