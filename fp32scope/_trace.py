@@ -102,7 +102,7 @@ _current: list[Callable[[], Fp32Precision]] = []
 _PROFILER_FLAG: Final = "_is_profiler_enabled"
 
 # torch's own Python flag for "a profiler records" (every supported torch has it, 2.2 and
-# later), read through the module's dict: see the module docstring.
+# later), read through the module's dict (see above).
 profiler_state: dict[str, Any] = vars(torch.autograd.profiler)
 
 
