@@ -223,3 +223,22 @@ def test_the_conflict_error_names_the_scope_it_refused() -> None:
         release.set()
         thread.join(10)
     assert str(caught.value).startswith("Cannot enter an fp32_precision_scope around 'decode' on thread ")
+
+
+@legacy_swapped_in
+def test_the_legacy_implementation_names_a_matmul_flip_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_scope, "_apply", _flags.legacy_apply)
+    monkeypatch.setattr(_scope, "_restore", _flags.legacy_restore)
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    before = _flags.read_all()
+
+    def block() -> None:
+        with fp32_precision_scope(Fp32Precision("highest", True)):
+            torch.set_float32_matmul_precision("medium")
+
+    changed = _flip_warning(block).partition("Changed: ")[2]
+    assert _flags.read_all() == before
+    assert changed.startswith("matmul precision applied as 'highest', found ")
+    assert "cudnn_allow_tf32" not in changed
+    assert "; " not in changed
