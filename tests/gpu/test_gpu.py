@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from fp32scope import Fp32Precision, Fp32ScopedModule, capture_cuda_graph, set_process_default
+from tests._support.common import FULL
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-FULL = Fp32Precision("highest", False)
 N = 4096
 
 

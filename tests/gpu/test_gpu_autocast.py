@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,14 +24,13 @@ from fp32scope import (
     fp32_precision_scope,
     set_process_default,
 )
+from tests._support.common import FULL, ROOT
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-FULL = Fp32Precision("highest", False)
 DEFAULT = Fp32Precision("high", True)
 N = 2048
 DTYPES = [torch.float16, torch.bfloat16]

@@ -23,14 +23,14 @@ from fp32scope import (
     fp32_precision_scope,
     set_process_default,
 )
-from tests.probe import backward
+from tests._support.common import FULL
+from tests._support.probe import backward
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-FULL = Fp32Precision("highest", False)
 DEFAULT = Fp32Precision("high", True)
 N = 2048
 

@@ -1,0 +1,17 @@
+"""What many test modules share: the repository root, the full-fp32 precision, an error to raise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fp32scope import Fp32Precision
+
+#: The repository root (this file is tests/_support/common.py): docs/, examples/, noxfile.py.
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Full fp32: matmul "highest", cuDNN TF32 off. The precision most tests scope a node to.
+FULL = Fp32Precision("highest", False)
+
+
+class BoomError(Exception):
+    """Raised by test code to check that what it interrupts is undone."""
