@@ -15,3 +15,13 @@ FULL = Fp32Precision("highest", False)
 
 class BoomError(Exception):
     """Raised by test code to check that what it interrupts is undone."""
+
+
+#: The process default most tests set: matmul "high", cuDNN TF32 on (torch's own default is "highest").
+DEFAULT = Fp32Precision("high", True)
+
+#: Every precision of the legacy vocabulary: three matmul levels, cuDNN TF32 on and off.
+ALL = [Fp32Precision(m, c) for m in ("highest", "high", "medium") for c in (True, False)]
+
+#: What the package says when a scope is entered inside a region torch.compile traces.
+COMPILING_MESSAGE = "cannot change torch's float32 precision flags inside a region that torch.compile is tracing"

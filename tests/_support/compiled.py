@@ -17,10 +17,9 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 from torch._functorch._aot_autograd.utils import make_boxed_func
 
-from fp32scope import Fp32Precision, _trampoline
+from fp32scope import _trampoline
+from tests._support.common import DEFAULT
 
-#: The process default the runner checks is back after every call (the tests' own default).
-DEFAULT = Fp32Precision("high", True)
 #: The feature width of the input :func:`run` feeds.
 WIDTH = 8
 

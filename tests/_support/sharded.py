@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from fp32scope import (
-    Fp32Precision,
     Fp32ScopedModule,
     _flags,
     scope_modules,
@@ -37,14 +36,13 @@ from fp32scope import (
     with_fp32_precision,
 )
 from tests._support import probe as probes
-from tests._support.common import FULL
+from tests._support.common import DEFAULT, FULL
 from tests._support.probe import probe
 
 WORLD = 2
 STEPS = 3
 BATCH = 4
 WIDTH = 8
-DEFAULT = Fp32Precision("high", True)
 
 
 def fully_shard_api() -> Callable[..., Any] | None:

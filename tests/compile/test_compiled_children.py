@@ -32,9 +32,8 @@ from fp32scope import (
     set_process_default,
     with_fp32_precision,
 )
-from tests._support.common import FULL
+from tests._support.common import DEFAULT, FULL
 from tests._support.compiled import (
-    DEFAULT,
     WIDTH,
     Recording,
     check_dynamo_never_failed_in_the_package,

@@ -42,13 +42,12 @@ from fp32scope import (
     with_fp32_precision,
 )
 from fp32scope._dynamo_exclude import _REASON, dynamo_resets_medium
-from tests._support.common import FULL
+from tests._support.common import COMPILING_MESSAGE, FULL
 from tests._support.compiled import forbid_recompiles
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
 
 # (major, minor) of the torch under test: "2.4.1+cu121" -> (2, 4).
-COMPILING_MESSAGE = "cannot change torch's float32 precision flags inside a region that torch.compile is tracing"
 
 
 # -- a probe that reads the flags when it runs, also inside compiled graphs --------------

@@ -19,10 +19,9 @@ from fp32scope import (
     fp32_precision_scope,
     set_process_default,
 )
+from tests._support.common import ALL
 from tests._support.releases import make_unusual_state, needs_new_api
 from tests._support.torch_model import TorchModel
-
-ALL = [Fp32Precision(m, c) for m in ("highest", "high", "medium") for c in (True, False)]
 
 
 @pytest.mark.parametrize("precision", ALL, ids=str)

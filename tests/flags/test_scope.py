@@ -9,11 +9,9 @@ import pytest
 import torch
 
 from fp32scope import Fp32FlagsChangedWarning, Fp32Precision, Fp32ScopeError, _flags, _scope, fp32_precision_scope
-from tests._support.common import BoomError
+from tests._support.common import ALL, COMPILING_MESSAGE, BoomError
 from tests._support.releases import TORCH_RELEASE, make_unusual_state, needs_legacy_only, needs_new_api
 from tests._support.torch_model import HAS_ONEDNN_BOOL, read_onednn_bool
-
-ALL = [Fp32Precision(m, c) for m in ("highest", "high", "medium") for c in (True, False)]
 
 
 def legacy() -> tuple[str, bool]:
@@ -346,8 +344,6 @@ def test_legacy_held_field_writes_nothing_and_a_flip_is_undone(default: str) -> 
 
 
 # -- compiled regions --------------------------------------------------------------------
-
-COMPILING_MESSAGE = "cannot change torch's float32 precision flags inside a region that torch.compile is tracing"
 
 
 def scoped_matmul(x: torch.Tensor) -> tuple[torch.Tensor, str]:

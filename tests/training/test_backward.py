@@ -34,10 +34,8 @@ from fp32scope import (
     with_fp32_precision,
 )
 from tests._support import probe as probes
-from tests._support.common import FULL
+from tests._support.common import DEFAULT, FULL
 from tests._support.probe import backward, probe
-
-DEFAULT = Fp32Precision("high", True)
 
 
 @pytest.fixture(autouse=True)

@@ -25,13 +25,13 @@ from typing import Any
 
 import pytest
 
-from tests._support import sharded
+from tests._support import common, sharded
 from tests._support.common import ROOT
 from tests._support.releases import TORCH_RELEASE
 
 TOLERANCE = 1e-6  # the reference sums the two ranks' batches in another order: float32 rounding only
-FULL = str(sharded.FULL)
-DEFAULT = str(sharded.DEFAULT)
+FULL = str(common.FULL)
+DEFAULT = str(common.DEFAULT)
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="gloo over a file store: Linux and macOS")
 

@@ -24,12 +24,11 @@ from fp32scope import (
     unscope_modules,
 )
 from fp32scope._policy import _walk
-from tests._support.common import FULL
+from tests._support.common import DEFAULT, FULL
 from tests._support.compiled import WIDTH, Recording, check_dynamo_never_failed_in_the_package, run
 from tests._support.releases import TORCH_RELEASE
 
 HIGHEST = Fp32Precision("highest")
-DEFAULT = Fp32Precision("high", True)
 SEEN: list[tuple[str, str]] = []
 
 

@@ -22,11 +22,10 @@ from fp32scope import (
     trace,
     with_fp32_precision,
 )
-from tests._support.common import FULL
+from tests._support.common import DEFAULT, FULL
 from tests._support.probe import backward
 
 HIGHEST = Fp32Precision("highest")
-DEFAULT = Fp32Precision("high", True)
 
 
 @pytest.fixture(autouse=True)
