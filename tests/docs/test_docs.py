@@ -5,6 +5,7 @@ The doctests themselves run in ``nox -s docs``; these checks need no build.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 import subprocess
@@ -171,3 +172,27 @@ def test_the_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "Fp32Precision(matmul='high', cudnn_allow_tf32=True)"
+
+
+def test_the_test_layout_is_the_one_internals_describes() -> None:
+    page = (DOCS / "internals.rst").read_text()
+    tests = ROOT / "tests"
+    subjects = sorted(p.name for p in tests.iterdir() if (p / "__init__.py").exists() and p.name != "_support")
+    assert subjects, "tests/ has no subject packages"
+    for name in subjects:
+        assert f"``tests/{name}/``" in page, f"docs/internals.rst does not describe tests/{name}/"
+    loose = sorted(p.name for p in tests.glob("test_*.py"))
+    assert not loose, f"test modules outside a subject package: {loose}"
+    support = tests / "_support"
+    assert not list(support.glob("test_*.py")), "tests/_support holds helpers, not tests"
+
+
+def test_no_test_module_imports_from_another() -> None:
+    importing = []
+    for module in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import | ast.ImportFrom) else []
+            if any(name.rsplit(".", 1)[-1].startswith("test_") for name in names):
+                importing.append(f"{module.relative_to(ROOT)}: {names}")
+    assert not importing, "shared helpers go to tests/_support, fixtures to tests/conftest.py: " + "; ".join(importing)
