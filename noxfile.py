@@ -167,8 +167,8 @@ def mutation(session: nox.Session, torch: str) -> None:
 
     Mutates the modules where a wrong line is a wrong result (``[tool.mutmut]`` in
     pyproject.toml) and runs, for each mutant, the tests there that reach the mutated
-    function; then ``tests/mutation_report.py`` prints the score (mutants explained in
-    ``tests/mutation_equivalents.txt`` left out, each with its reason) and every other
+    function; then ``tests/_support/mutation_report.py`` prints the score (mutants explained in
+    ``tests/_support/mutation_equivalents.txt`` left out, each with its reason) and every other
     mutant not killed, with its diff, and fails under 90%. Slow (about an hour on two busy
     cores), so in neither the default sessions nor CI; results stay in ``mutants/`` and a
     rerun tests only the mutants of changed functions. Arguments after ``--`` go to
@@ -176,4 +176,4 @@ def mutation(session: nox.Session, torch: str) -> None:
     """
     install(session, torch, "mutation")
     session.run("mutmut", "run", *session.posargs)
-    session.run("python", "tests/mutation_report.py", "--rerun-survivors")
+    session.run("python", "tests/_support/mutation_report.py", "--rerun-survivors")

@@ -29,7 +29,7 @@ exclude_patterns = ["_build"]
 
 # -- HTML ------------------------------------------------------------------------------------
 # furo: a column that fits code lines of up to about 90 characters at its code font size
-# (tests/test_docs.py keeps the code the pages show within 88), with a sidebar that lists
+# (tests/docs/test_docs.py keeps the code the pages show within 88), with a sidebar that lists
 # every page, and dark mode.
 html_theme = "furo"
 html_title = f"fp32scope {release}"

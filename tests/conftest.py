@@ -1,4 +1,7 @@
-"""Shared fixtures: every test starts and ends with the process flags it found."""
+"""Shared fixtures: every test starts and ends with the process flags it found; a fresh Dynamo on request.
+
+Fixtures live here, never in a test module; helpers that are not fixtures live in tests/_support.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from fp32scope import _flags, _scope
-from tests.releases import TORCH_RELEASE
+from tests._support.releases import TORCH_RELEASE
 
 
 def pytest_report_header() -> str:
@@ -32,3 +35,15 @@ def _restore_process_flags() -> Iterator[None]:
     # A test that fails inside a scope on another thread must not poison the next test.
     _scope._owner.clear()
     _scope._depth = 0
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """Reset Dynamo (its caches and counters) before and after the test: no compile leaks in or out."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()

@@ -6,40 +6,22 @@ machine with ``pytest tests/gpu -m gpu`` (``tests/gpu/run_on_device.sh`` does th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import cast
 
 import pytest
 import torch
 
 from fp32scope import Fp32Precision, Fp32ScopedModule, capture_cuda_graph, set_process_default
+from tests._support.common import FULL
+from tests._support.gpu import needs_tf32
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("fresh_dynamo"),
 ]
 
-FULL = Fp32Precision("highest", False)
 N = 4096
-
-
-def tf32_capable() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
-
-
-# pytest reports the first skip mark that holds, the test's own before the module's: without
-# any GPU, say that, not that this one is too old.
-needs_tf32 = pytest.mark.skipif(
-    not tf32_capable(),
-    reason="TF32 needs an Ampere-or-newer GPU" if torch.cuda.is_available() else "needs a CUDA GPU",
-)
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.fixture(scope="module")

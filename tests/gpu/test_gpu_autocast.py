@@ -12,40 +12,27 @@ import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
 from fp32scope import (
     Fp32AutocastWarning,
-    Fp32Precision,
     Fp32ScopedModule,
     capture_cuda_graph,
     fp32_precision_scope,
     set_process_default,
 )
+from tests._support.common import DEFAULT, FULL, ROOT
+from tests._support.gpu import needs_tf32
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-FULL = Fp32Precision("highest", False)
-DEFAULT = Fp32Precision("high", True)
 N = 2048
 DTYPES = [torch.float16, torch.bfloat16]
-
-
-def tf32_capable() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
-
-
-needs_tf32 = pytest.mark.skipif(
-    not tf32_capable(),
-    reason="TF32 needs an Ampere-or-newer GPU" if torch.cuda.is_available() else "needs a CUDA GPU",
-)
 
 
 @pytest.fixture(autouse=True)

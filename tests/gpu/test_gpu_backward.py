@@ -9,7 +9,6 @@ TF32 ones without an Ampere-or-newer GPU).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,36 +22,22 @@ from fp32scope import (
     fp32_precision_scope,
     set_process_default,
 )
-from tests.probe import backward
+from tests._support.common import DEFAULT, FULL
+from tests._support.gpu import needs_tf32
+from tests._support.probe import backward
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("fresh_dynamo"),
 ]
 
-FULL = Fp32Precision("highest", False)
-DEFAULT = Fp32Precision("high", True)
 N = 2048
 
 
-def tf32_capable() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
-
-
-# pytest reports the first skip mark that holds, the test's own before the module's: without
-# any GPU, say that, not that this one is too old.
-needs_tf32 = pytest.mark.skipif(
-    not tf32_capable(),
-    reason="TF32 needs an Ampere-or-newer GPU" if torch.cuda.is_available() else "needs a CUDA GPU",
-)
-
-
 @pytest.fixture(autouse=True)
-def fresh_dynamo_and_default() -> Iterator[None]:
-    torch._dynamo.reset()
+def _default_high() -> None:
     set_process_default(DEFAULT)
-    yield
-    torch._dynamo.reset()
 
 
 def weight_grad_error(node: Any, linear: torch.nn.Linear, x: torch.Tensor, upstream: torch.Tensor) -> float:

@@ -13,14 +13,13 @@ import pytest
 import torch
 
 from fp32scope import Fp32Precision, Fp32ScopedModule, set_process_default, trace
-from tests.probe import backward
+from tests._support.common import FULL
+from tests._support.probe import backward
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-FULL = Fp32Precision("highest", False)
 
 
 def test_the_backward_on_autograds_device_thread_is_traced() -> None:

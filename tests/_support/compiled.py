@@ -1,0 +1,95 @@
+"""Helpers for the tests of compiled nodes: a recording backend, a no-recompile guard, a runner.
+
+Used by ``tests/compile/`` and by the compiled-policy tests in ``tests/wrappers/``; the
+``fresh_dynamo`` fixture that resets Dynamo around a test lives in ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch._dynamo
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+from torch._functorch._aot_autograd.utils import make_boxed_func
+
+from fp32scope import _trampoline
+from tests._support.common import DEFAULT
+
+#: The feature width of the input :func:`run` feeds.
+WIDTH = 8
+
+
+@contextmanager
+def forbid_recompiles() -> Iterator[None]:
+    """Make any recompile an error (torch >= 2.6 spells the old error_on_recompile as a limit)."""
+    config = torch._dynamo.config
+    if "error_on_recompile" in config._config:  # type: ignore[attr-defined]
+        with config.patch(error_on_recompile=True):
+            yield
+    else:
+        with config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+            yield
+
+
+class Recording:
+    """An aot_autograd backend noting each graph it compiles and the matmul precision then."""
+
+    def __init__(self) -> None:
+        self.forward: list[str] = []
+        self.backward: list[str] = []
+
+    def _note(self, seen: list[str]) -> Callable[[torch.fx.GraphModule, Any], Callable[..., Any]]:
+        def compiler(gm: torch.fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
+            seen.append(torch.get_float32_matmul_precision())
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    def backend(self) -> Any:
+        """The backend to hand to torch.compile."""
+        return aot_autograd(fw_compiler=self._note(self.forward), bw_compiler=self._note(self.backward))
+
+
+def _library_reason(reason: str) -> bool:
+    # The wrappers' deliberate break: the library's reason, or on torch 2.4 (whose
+    # torch.compiler.disable takes no reason) the disabled wrapper named.
+    return "fp32scope: a scoped call" in reason or bool(re.search(r"disable\(\) wrapped function <function", reason))
+
+
+def check_dynamo_never_failed_in_the_package() -> None:
+    """Assert that Dynamo failed no frame and broke no graph inside the package but deliberately."""
+    frames = counters["frames"]
+    assert frames["total"] == frames["ok"], dict(frames)
+    package = str(_trampoline.__file__).rsplit("_trampoline.py", 1)[0]
+    for reason in counters["graph_break"]:
+        assert _library_reason(reason) or package not in reason, reason
+
+
+def run(
+    compiled: Callable[[torch.Tensor], torch.Tensor],
+    eager: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    grad: bool,
+    calls: int = 3,
+) -> None:
+    """Call ``compiled`` ``calls`` times (backward too in grad mode), never recompiling after the first."""
+    x = torch.randn(2, 3, WIDTH)
+
+    def call() -> None:
+        out = compiled(x)
+        torch.testing.assert_close(out, expected)
+        if grad:
+            torch.autograd.backward(out.sum())
+
+    with torch.set_grad_enabled(grad):
+        expected = eager(x)
+        call()  # compiles
+        with forbid_recompiles():
+            for _ in range(calls - 1):
+                call()
+    assert torch.get_float32_matmul_precision() == DEFAULT.matmul

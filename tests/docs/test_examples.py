@@ -1,0 +1,94 @@
+"""Each script in examples/ runs as a user would run it, exits 0 and prints what it shows."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._support.examples import EXAMPLES, run_example
+
+
+def test_every_example_is_tested() -> None:
+    tested = {"compiled_nodes.py", "cuda_graph_capture.py", "engine_threads.py", "multiprocess_workers.py"}
+    tested |= {"pytest_plugin_suite.py", "ddp_training.py"}  # ddp_training.py: in test_backward.py
+    tested |= {"fsdp2_training.py"}  # in test_sharded.py
+    tested |= {"aoti_package.py"}
+    tested |= {"training_loop.py"}
+    tested |= {"amp_training.py"}
+    assert {p.name for p in EXAMPLES.glob("*.py")} == tested
+
+
+@pytest.mark.compile
+def test_training_loop() -> None:
+    out = run_example("training_loop.py")
+    router = "Fp32Precision(matmul='highest', cudnn_allow_tf32=False)"
+    assert out.count(f"  router forward:  {router}") == 3
+    assert out.count(f"  router backward: {router}") == 3
+    assert out.count("after the step: Fp32Precision(matmul='high', cudnn_allow_tf32=True)") == 3
+    assert "the loss went down" in out
+
+
+@pytest.mark.compile
+def test_compiled_nodes() -> None:
+    out = run_example("compiled_nodes.py")
+    assert "inside head    Fp32Precision(matmul='highest', cudnn_allow_tf32=False)" in out
+    assert "inside decode  Fp32Precision(matmul='medium', cudnn_allow_tf32=True)" in out
+    assert "the process default is back after every call: Fp32Precision(matmul='high', cudnn_allow_tf32=True)" in out
+
+
+def test_cuda_graph_capture() -> None:
+    out = run_example("cuda_graph_capture.py")
+    if "No CUDA device" in out:
+        assert "capture_cuda_graph on this machine: RuntimeError: capture_cuda_graph needs a CUDA device" in out
+        assert "calling the proxy gives 'graph replayed', run in Fp32Precision(matmul='highest'" in out
+        assert "the wrapped module holds it: True" in out
+    else:
+        assert "capture_cuda_graph: replay matches the eager call: True" in out
+        assert "make_graphed_callables: graphed is the proxy: True" in out
+
+
+def test_engine_threads() -> None:
+    out = run_example("engine_threads.py")
+    assert "plan thread reads:              Fp32Precision(matmul='highest', cudnn_allow_tf32=False)" in out
+    assert "plan thread got Fp32ScopeError: Cannot enter an fp32_precision_scope on thread 'plan'" in out
+    assert "while thread 'forward'" in out
+    assert "process default is back:        Fp32Precision(matmul='high', cudnn_allow_tf32=True)" in out
+
+
+def test_multiprocess_workers() -> None:
+    out = run_example("multiprocess_workers.py")
+    assert "every worker ran with its own default and its node's precision" in out
+    assert out.count("inside the node Fp32Precision(matmul='highest', cudnn_allow_tf32=False)") == 4
+
+
+def test_pytest_plugin_suite() -> None:
+    out = run_example("pytest_plugin_suite.py")
+    assert "1. the suite, with --fp32scope-strict:\n   pytest exit status 0: 4 passed" in out
+    assert "strict mode reports: torch.get_float32_matmul_precision(): 'highest' -> 'medium'" in out
+
+
+def _aoti_missing() -> str | None:
+    from fp32scope._export import _aoti_missing
+
+    return _aoti_missing()
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(_aoti_missing() is not None, reason=f"{_aoti_missing()}: the example compiles a package")
+def test_aoti_package() -> None:
+    out = run_example("aoti_package.py")
+    assert "exporting the scoped node: torch.export cannot export a scoped call" in out
+    assert "'fp32scope.matmul': 'highest'" in out
+    assert "loading process default: Fp32Precision(matmul='medium', cudnn_allow_tf32=True)" in out
+    assert "precision_of(loaded package): Fp32Precision(matmul='highest', cudnn_allow_tf32=False)" in out
+    for mode in ("grad", "no_grad", "inference_mode"):
+        assert f"call under {mode:<15} ran in Fp32Precision(matmul='highest', cudnn_allow_tf32=False)" in out
+    assert "after the calls the default is back: Fp32Precision(matmul='medium', cudnn_allow_tf32=True)" in out
+
+
+def test_amp_training() -> None:
+    out = run_example("amp_training.py")
+    router = "Fp32ScopedModule(precision=Fp32Precision(matmul='highest', cudnn_allow_tf32=False), name='Router'"
+    assert f"router wrapper: {router}, backward=True, autocast=False," in out
+    assert out.count("router weights torch.float32") == 10
+    assert out.count("equal to the hand-written stack (outputs, gradients, parameters): True") == 5
+    assert "the loss went down" in out

@@ -1,0 +1,244 @@
+"""Behaviour that the mutation run (``nox -s mutation``) found untested.
+
+Each test here pins down what a surviving mutant changed: the words of an error, the claim
+a scope releases when applying fails. They go through the public entry points (or the
+module-level functions the package itself calls), not through line details.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+from fp32scope import (
+    Fp32FlagsChangedWarning,
+    Fp32Precision,
+    Fp32ScopeError,
+    _flags,
+    _scope,
+    fp32_precision_scope,
+    node_fp32_precision,
+    set_process_default,
+    with_fp32_precision,
+)
+
+
+@pytest.mark.parametrize(
+    ("word", "meant"),
+    [("tf-32", "high"), ("TF_32", "high"), ("bfloat-16", "medium"), ("bf_16", "medium"), ("tensor_float-32", "high")],
+)
+def test_spellings_with_hyphens_and_underscores_get_the_hint(word: str, meant: str) -> None:
+    with pytest.raises(ValueError, match="must be one of") as caught:
+        fp32_precision_scope(Fp32Precision(word))  # type: ignore[arg-type]
+    assert f"for {word!r} write {meant!r}" in str(caught.value)
+
+
+def test_an_error_without_a_node_starts_with_the_argument_alone() -> None:
+    with pytest.raises(ValueError, match="must be one of") as matmul:
+        fp32_precision_scope(Fp32Precision("fast"))  # type: ignore[arg-type]
+    assert str(matmul.value) == "precision.matmul must be one of 'highest', 'high', 'medium' or None; got 'fast'."
+    with pytest.raises(TypeError, match="must be a str") as not_str:
+        fp32_precision_scope(Fp32Precision(1))  # type: ignore[arg-type]
+    assert str(not_str.value) == (
+        "precision.matmul must be a str, one of 'highest', 'high', 'medium', or None; got 1 of type int."
+    )
+    with pytest.raises(TypeError, match="must be True") as cudnn:
+        set_process_default(Fp32Precision(None, "yes"))  # type: ignore[arg-type]
+    assert str(cudnn.value) == "precision.cudnn_allow_tf32 must be True, False or None; got 'yes' of type str."
+
+
+def test_argument_errors_name_the_argument_and_the_value_type() -> None:
+    with pytest.raises(TypeError, match="backward must be") as backward:
+        with_fp32_precision(Fp32Precision("high"), backward="yes")  # type: ignore[arg-type]
+    assert str(backward.value) == (
+        "backward must be True (scope the node's backward too, the default) or False (forward only); "
+        "got 'yes' of type str."
+    )
+    with pytest.raises(TypeError, match="node_name must be") as node_name:
+        node_fp32_precision(1, torch.nn.Linear(1, 1))  # type: ignore[arg-type]
+    assert str(node_name.value) == "node_name must be a str; got 1 of type int."
+
+
+def test_the_conflict_error_says_why_and_what_to_do() -> None:
+    inside, release = threading.Event(), threading.Event()
+
+    def forward() -> None:
+        with fp32_precision_scope(Fp32Precision("highest", False)):
+            inside.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=forward, name="forward")
+    thread.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(Fp32ScopeError) as caught:
+            with fp32_precision_scope(Fp32Precision("medium")):
+                pass
+    finally:
+        release.set()
+        thread.join(10)
+    message = str(caught.value)
+    assert message.startswith("Cannot enter an fp32_precision_scope on thread ")
+    assert "while thread 'forward' (ident " in message
+    assert "is inside an fp32_precision_scope. The float32 precision flags are process-wide, not per thread" in message
+    assert "this would change the precision of the kernels that thread is launching." in message
+    assert "Run all scoped calls on one thread" in message
+    assert message.endswith("or serialize them with a lock held around each scoped call.")
+
+
+class Interrupted(BaseException):
+    """Stands for a KeyboardInterrupt arriving while a scope applies its precision."""
+
+
+def test_a_scope_whose_apply_is_interrupted_releases_the_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(t: str | None, b: bool | None) -> _flags.Token:
+        raise Interrupted
+
+    before = _flags.save_raw_state()
+    monkeypatch.setattr(_scope, "_apply", interrupted)
+    with pytest.raises(Interrupted):
+        with fp32_precision_scope(Fp32Precision("medium")):
+            pytest.fail("the block ran although applying the precision failed")
+    monkeypatch.undo()
+    assert _scope.active_scope_thread() is None  # no thread left holding the flags
+    assert _flags.save_raw_state() == before
+    # Another thread can now enter a scope, and afterwards no thread holds the flags.
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            with fp32_precision_scope(Fp32Precision("highest")):
+                pass
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=other, name="other")
+    thread.start()
+    thread.join(10)
+    assert errors == []
+    assert _scope.active_scope_thread() is None
+
+
+def _flip_warning(run: object) -> str:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()  # type: ignore[operator]
+    found = [w for w in caught if issubclass(w.category, Fp32FlagsChangedWarning)]
+    assert len(found) == 1, [str(w.message) for w in caught]
+    return str(found[0].message)
+
+
+def test_the_flip_warning_names_the_wrapper_and_says_what_to_do() -> None:
+    @with_fp32_precision(Fp32Precision("highest"), name="head")
+    def head() -> None:
+        torch.set_float32_matmul_precision("high")
+
+    message = _flip_warning(head)
+    assert message.startswith(
+        "The code inside an fp32_precision_scope around 'head' changed the float32 precision flags the "
+        "scope applied; the scope restored the state it saved on entry. Changed: "
+    )
+    assert message.endswith(
+        ". Declare the precision on the node (or its wrapper) instead of setting torch's flags inside its forward."
+    )
+
+
+def test_the_flip_warning_of_an_unnamed_scope_names_no_node() -> None:
+    def block() -> None:
+        with fp32_precision_scope(Fp32Precision("highest")):
+            torch.set_float32_matmul_precision("high")
+
+    assert _flip_warning(block).startswith("The code inside an fp32_precision_scope changed the float32 precision")
+
+
+legacy_swapped_in = pytest.mark.skipif(
+    not _flags.HAS_NEW_API,
+    reason=f"torch {torch.__version__}: the legacy implementation is the one in use, and the flip tests run it",
+)
+
+
+@legacy_swapped_in
+@pytest.mark.parametrize("held", [False, True], ids=["applied", "already-held"])
+def test_the_legacy_implementation_undoes_and_names_a_flip(monkeypatch: pytest.MonkeyPatch, held: bool) -> None:
+    # What torch < 2.9 runs, swapped in on this torch as tests/flags/test_state_machine.py does.
+    monkeypatch.setattr(_scope, "_apply", _flags.legacy_apply)
+    monkeypatch.setattr(_scope, "_restore", _flags.legacy_restore)
+    torch.set_float32_matmul_precision("highest" if held else "high")
+    torch.backends.cudnn.allow_tf32 = not held
+    before = _flags.read_all()
+
+    def block() -> None:
+        with fp32_precision_scope(Fp32Precision("highest", False)):
+            torch.set_float32_matmul_precision("medium")
+            torch.backends.cudnn.allow_tf32 = True
+
+    message = _flip_warning(block)
+    assert _flags.read_all() == before
+    matmul, _, cudnn = message.partition("Changed: ")[2].partition("; ")
+    assert matmul.startswith("matmul precision applied as 'highest', found ")
+    assert f"{_flags.LEGACY_MATMUL} = 'medium', {_flags.LEGACY_CUBLAS} = True" in matmul
+    assert cudnn.startswith(f"cudnn_allow_tf32 applied as False, found {_flags.LEGACY_CUDNN} = True")
+
+
+@legacy_swapped_in
+def test_the_legacy_implementation_names_a_cudnn_flip_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_scope, "_apply", _flags.legacy_apply)
+    monkeypatch.setattr(_scope, "_restore", _flags.legacy_restore)
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    before = _flags.read_all()
+
+    def block() -> None:
+        with fp32_precision_scope(Fp32Precision("high", False)):
+            torch.backends.cudnn.allow_tf32 = True
+
+    message = _flip_warning(block)
+    assert _flags.read_all() == before
+    assert "Changed: cudnn_allow_tf32 applied as False, found " in message
+    assert "matmul precision" not in message
+
+
+def test_the_conflict_error_names_the_scope_it_refused() -> None:
+    inside, release = threading.Event(), threading.Event()
+
+    def forward() -> None:
+        with fp32_precision_scope(Fp32Precision("highest", False)):
+            inside.set()
+            release.wait(10)
+
+    @with_fp32_precision(Fp32Precision("medium"), name="decode")
+    def decode() -> None:
+        pass
+
+    thread = threading.Thread(target=forward, name="forward")
+    thread.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(Fp32ScopeError) as caught:
+            decode()
+    finally:
+        release.set()
+        thread.join(10)
+    assert str(caught.value).startswith("Cannot enter an fp32_precision_scope around 'decode' on thread ")
+
+
+@legacy_swapped_in
+def test_the_legacy_implementation_names_a_matmul_flip_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_scope, "_apply", _flags.legacy_apply)
+    monkeypatch.setattr(_scope, "_restore", _flags.legacy_restore)
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    before = _flags.read_all()
+
+    def block() -> None:
+        with fp32_precision_scope(Fp32Precision("highest", True)):
+            torch.set_float32_matmul_precision("medium")
+
+    changed = _flip_warning(block).partition("Changed: ")[2]
+    assert _flags.read_all() == before
+    assert changed.startswith("matmul precision applied as 'highest', found ")
+    assert "cudnn_allow_tf32" not in changed
+    assert "; " not in changed
