@@ -7,11 +7,14 @@ module-level functions the package itself calls), not through line details.
 
 from __future__ import annotations
 
+import random
 import threading
 import warnings
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 from fp32scope import (
     Fp32FlagsChangedWarning,
@@ -24,6 +27,7 @@ from fp32scope import (
     set_process_default,
     with_fp32_precision,
 )
+from tests.test_state_machine import BFX9, CUDNNS, EXCEPTIONS, FLIP_MACHINE, MATMULS, SLOT_KEYS, FlipMachine
 
 
 @pytest.mark.parametrize(
@@ -242,3 +246,71 @@ def test_the_legacy_implementation_names_a_matmul_flip_alone(monkeypatch: pytest
     assert changed.startswith("matmul precision applied as 'highest', found ")
     assert "cudnn_allow_tf32" not in changed
     assert "; " not in changed
+
+
+def _sweep_step(machine: FlipMachine, rng: random.Random, *, inside: bool) -> None:
+    """One random write, through the machine's own rules (so its model follows torch)."""
+    kinds = ["matmul", "cublas", "cudnn", *(["slot"] if _flags.HAS_NEW_API else [])]
+    kind = rng.choice(kinds)
+    if kind == "matmul":
+        value = rng.choice(["highest", "high", "medium"])
+        (machine.flip_legacy_matmul if inside else machine.legacy_matmul_precision)(value)
+    elif kind == "cublas":
+        (machine.flip_legacy_cublas if inside else machine.legacy_cublas)(rng.random() < 0.5)
+    elif kind == "cudnn":
+        (machine.flip_legacy_cudnn if inside else machine.legacy_cudnn)(rng.random() < 0.5)
+    else:
+        key = rng.choice(SLOT_KEYS)
+        value = rng.choice(["none", "ieee", "tf32", "bf16", *BFX9])
+        (machine.flip_new_api if inside else machine.new_api)(key, value)  # type: ignore[attr-defined]
+
+
+def _check(machine: FlipMachine) -> None:
+    machine.readings_match_model()
+    machine.raw_state_recovered_exactly_without_changing_anything()
+    machine.ownership_follows_depth()
+
+
+@settings(max_examples=1, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.just(20261201))
+def test_a_fixed_sweep_of_scopes_and_flips_follows_the_contract(seed: int) -> None:
+    """The state machines' contract over a fixed, seeded sweep of states and flips.
+
+    The same rules and checks as tests/test_state_machine.py's flip machine (enter, exit:
+    exact restore of a switched field, re-apply of a held one that the block broke, the
+    warning exactly then), driven deterministically over 1500 start states, every precision
+    and a random write inside: many more cases than the mutation session's capped
+    Hypothesis runs reach, at a fixed cost.
+    """
+    rng = random.Random(seed)  # noqa: S311  (a fixed sweep, not secrecy)
+    for _run in range(1500):
+        machine = FLIP_MACHINE()
+        try:
+            for _ in range(rng.randrange(1, 9)):
+                _sweep_step(machine, rng, inside=False)
+            _check(machine)
+            t = rng.choice(MATMULS)
+            b = rng.choice(CUDNNS)
+            machine.enter(Fp32Precision(t, b))  # type: ignore[arg-type]
+            _check(machine)
+            for _ in range(rng.randrange(0, 3)):
+                _sweep_step(machine, rng, inside=True)
+            machine.exit(rng.choice(EXCEPTIONS))
+            _check(machine)
+        finally:
+            machine.teardown()
+
+
+@pytest.mark.skipif(not _flags.HAS_NEW_API, reason="cudnn.fp32_precision exists from torch 2.9")
+def test_a_held_cudnn_false_is_re_established_when_the_block_sets_cudnn_fp32_precision_tf32() -> None:
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.fp32_precision = "ieee"
+    # conv and rnn explicit ieee: allow_tf32 keeps reading False (no raise) whatever cuda/all
+    # reads, so only cudnn.fp32_precision itself tells that the block broke the held False.
+    torch.backends.cudnn.conv.fp32_precision = "ieee"  # type: ignore[attr-defined]
+    torch.backends.cudnn.rnn.fp32_precision = "ieee"  # type: ignore[attr-defined]
+    scope = fp32_precision_scope(Fp32Precision(None, cudnn_allow_tf32=False))
+    with pytest.warns(Fp32FlagsChangedWarning, match="cudnn_allow_tf32 applied as False"), scope:
+        torch.backends.cudnn.fp32_precision = "tf32"  # Inductor's conv templates read this
+    assert torch.backends.cudnn.fp32_precision == "ieee"
+    assert torch.backends.cudnn.allow_tf32 is False
