@@ -314,3 +314,20 @@ def test_a_held_cudnn_false_is_re_established_when_the_block_sets_cudnn_fp32_pre
         torch.backends.cudnn.fp32_precision = "tf32"  # Inductor's conv templates read this
     assert torch.backends.cudnn.fp32_precision == "ieee"
     assert torch.backends.cudnn.allow_tf32 is False
+
+
+def test_a_flip_of_the_matmul_field_alone_names_only_it() -> None:
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    before = _flags.read_all()
+
+    def block() -> None:
+        with fp32_precision_scope(Fp32Precision("highest", cudnn_allow_tf32=True)):
+            torch.set_float32_matmul_precision("medium")
+
+    changed = _flip_warning(block).partition("Changed: ")[2]
+    assert _flags.read_all() == before
+    assert changed.startswith("matmul precision applied as 'highest', found ")
+    assert "cudnn_allow_tf32" not in changed
+    assert "; " not in changed
+    assert "None" not in changed
