@@ -331,3 +331,16 @@ def test_a_flip_of_the_matmul_field_alone_names_only_it() -> None:
     assert "cudnn_allow_tf32" not in changed
     assert "; " not in changed
     assert "None" not in changed
+
+
+@pytest.mark.skipif(not _flags.HAS_NEW_API, reason="cudnn.fp32_precision exists from torch 2.9")
+def test_cudnn_false_is_not_held_while_cudnn_fp32_precision_reads_tf32() -> None:
+    torch.backends.cudnn.allow_tf32 = False
+    # conv and rnn explicit ieee: allow_tf32 reads False without raising, but cuda/all is tf32.
+    torch.backends.cudnn.conv.fp32_precision = "ieee"  # type: ignore[attr-defined]
+    torch.backends.cudnn.rnn.fp32_precision = "ieee"  # type: ignore[attr-defined]
+    torch.backends.cudnn.fp32_precision = "tf32"
+    before = _flags.save_raw_state()
+    with fp32_precision_scope(Fp32Precision(None, cudnn_allow_tf32=False)):
+        assert torch.backends.cudnn.fp32_precision != "tf32"  # Inductor's conv templates read it
+    assert _flags.save_raw_state() == before
