@@ -344,3 +344,17 @@ def test_cudnn_false_is_not_held_while_cudnn_fp32_precision_reads_tf32() -> None
     with fp32_precision_scope(Fp32Precision(None, cudnn_allow_tf32=False)):
         assert torch.backends.cudnn.fp32_precision != "tf32"  # Inductor's conv templates read it
     assert _flags.save_raw_state() == before
+
+
+@pytest.mark.skipif(not _flags.HAS_NEW_API, reason="cudnn.conv/rnn.fp32_precision exist from torch 2.9")
+@pytest.mark.parametrize("op", ["conv", "rnn"])
+@pytest.mark.parametrize("applied", [True, False])
+def test_a_hidden_cudnn_false_is_restored_when_one_op_alone_reads_tf32(op: str, applied: bool) -> None:
+    torch.backends.cudnn.allow_tf32 = False
+    # One op tf32, the other "none" (ieee): allow_tf32 raises, B is seen only by probing.
+    setattr(getattr(torch.backends.cudnn, op), "fp32_precision", "tf32")  # noqa: B010
+    before = _flags.save_raw_state()
+    assert before[1] is False
+    with fp32_precision_scope(Fp32Precision(None, cudnn_allow_tf32=applied)):
+        pass
+    assert _flags.save_raw_state() == before
