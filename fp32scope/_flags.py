@@ -23,11 +23,14 @@ getters and setters bound to module globals, no allocation beyond small tuples.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import TYPE_CHECKING, Final, NoReturn
 
 import torch
 
 from fp32scope._compat import HAS_BFX9, HAS_PER_BACKEND_API
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = [
     "HAS_NEW_API",
@@ -128,287 +131,308 @@ def describe(field: str, applied: object, names: tuple[str, ...]) -> str:
     return f"{field} applied as {applied!r}, found {found}"
 
 
-if HAS_NEW_API:
-    _G = _C._get_fp32_precision_getter
-    _S = _C._set_fp32_precision_setter
+def _no_new_api(*_args: object) -> NoReturn:
+    msg = (
+        f"fp32scope: torch {torch.__version__} has no per-backend fp32_precision API "
+        "(torch >= 2.9); this function is for torch >= 2.9 only"
+    )
+    raise RuntimeError(msg)
 
-    def raw_all(backend: str) -> str:
-        """The raw value of ``backend``/all (what is stored, not what it resolves to)."""
-        r = _G(backend, "all")
-        if r == "none":
-            return "none"
-        generic = _G("generic", "all")
-        parent = "none" if backend == "cuda" and generic == "bf16" else generic
-        if r != parent:
-            return r
-        # Reads the same as generic/all: explicit, or inherited. Move generic/all (whose raw
-        # value is its reading) and see whether the slot follows.
-        _S("generic", "all", _OTHER[generic])
-        try:
-            follows = _G(backend, "all") != r
-        finally:
-            _S("generic", "all", generic)
-        return "none" if follows else r
 
-    def raw_op(backend: str, op: str, all_reading: str | None = None) -> str:
-        """The raw value of ``backend``/``op``; ``all_reading`` saves a read the caller made."""
-        r = _G(backend, op)
-        if r == "none":
-            return "none"  # an explicit ieee/tf32 would read as such
-        if all_reading is None:
-            all_reading = _G(backend, "all")
-        if r != all_reading:
-            return r
-        parent_raw = raw_all(backend)
-        _S(backend, "all", _OTHER[r])
-        try:
-            follows = _G(backend, op) != r
-        finally:
-            _S(backend, "all", parent_raw)
-        return "none" if follows else r
+# The per-backend implementation below is defined on every torch (and bound as the public
+# one at the end of the module on torch >= 2.9 only); before 2.9 its getter and setter raise.
+_G: Final[Callable[[str, str], str]] = getattr(_C, "_get_fp32_precision_getter", _no_new_api)
+_S: Final[Callable[[str, str, str], None]] = getattr(_C, "_set_fp32_precision_setter", _no_new_api)
 
-    def legacy_matmul(cuda_raw: str, mkldnn_raw: str) -> str:
-        """The legacy enum E, also where torch's getter raises (given both slots' raw values)."""
+
+def raw_all(backend: str) -> str:
+    """The raw value of ``backend``/all (what is stored, not what it resolves to)."""
+    r = _G(backend, "all")
+    if r == "none":
+        return "none"
+    generic = _G("generic", "all")
+    parent = "none" if backend == "cuda" and generic == "bf16" else generic
+    if r != parent:
+        return r
+    # Reads the same as generic/all: explicit, or inherited. Move generic/all (whose raw
+    # value is its reading) and see whether the slot follows.
+    _S("generic", "all", _OTHER[generic])
+    try:
+        follows = _G(backend, "all") != r
+    finally:
+        _S("generic", "all", generic)
+    return "none" if follows else r
+
+
+def raw_op(backend: str, op: str, all_reading: str | None = None) -> str:
+    """The raw value of ``backend``/``op``; ``all_reading`` saves a read the caller made."""
+    r = _G(backend, op)
+    if r == "none":
+        return "none"  # an explicit ieee/tf32 would read as such
+    if all_reading is None:
+        all_reading = _G(backend, "all")
+    if r != all_reading:
+        return r
+    parent_raw = raw_all(backend)
+    _S(backend, "all", _OTHER[r])
+    try:
+        follows = _G(backend, op) != r
+    finally:
+        _S(backend, "all", parent_raw)
+    return "none" if follows else r
+
+
+def legacy_matmul(cuda_raw: str, mkldnn_raw: str) -> str:
+    """The legacy enum E, also where torch's getter raises (given both slots' raw values)."""
+    try:
+        return _GM()
+    except RuntimeError:
+        pass
+    # With both matmul slots at "ieee" no consistency check can fail, so the getter shows E.
+    _S("cuda", "matmul", "ieee")
+    _S("mkldnn", "matmul", "ieee")
+    try:
+        return _GM()
+    finally:
+        _S("cuda", "matmul", cuda_raw)
+        _S("mkldnn", "matmul", mkldnn_raw)
+
+
+def legacy_cudnn(conv: str, rnn: str, conv_raw: str, rnn_raw: str) -> bool:
+    """The legacy cuDNN bool B, also where torch's getter raises."""
+    try:
+        return _GB()
+    except RuntimeError:
+        pass
+    conv_tf32 = conv == "tf32"
+    if conv_tf32 == (rnn == "tf32"):
+        return not conv_tf32  # the getter raises only because B disagrees with both
+    # conv and rnn disagree: B is invisible. With both at "ieee" the getter answers
+    # False for B == False and raises for B == True.
+    _S("cuda", "conv", "ieee")
+    _S("cuda", "rnn", "ieee")
+    try:
+        _GB()
+    except RuntimeError:
+        return True
+    else:
+        return False
+    finally:
+        _S("cuda", "conv", conv_raw)
+        _S("cuda", "rnn", rnn_raw)
+
+
+# -- matmul field ---------------------------------------------------------------------
+# The hot path: each function reads every value once, probes only where the readings
+# leave a raw value open, and writes only what differs.
+
+
+def apply(t: str | None, b: bool | None) -> Token:  # noqa: C901, PLR0912, PLR0915  (hot path: one flat function on purpose)
+    """Apply the fields that are not None; returns the token :func:`restore` takes.
+
+    A field that already holds is not written (and nothing of it is saved). "Holds"
+    means that every slot the field governs resolves to what torch's legacy setter
+    writes for the value, and the legacy getter shows the value without raising: for
+    the matmul field, ``get_float32_matmul_precision()`` returns ``t`` ("highest" for
+    "bfx9"), cuda/matmul resolves to tf32 exactly for "high" and "medium" and to bfx9
+    exactly for "bfx9", and mkldnn/matmul resolves to tf32 for "high", bf16 for
+    "medium" and neither for "highest" and "bfx9" (a slot resolving to "none" computes
+    as "ieee"). This is the one definition of "held" for the matmul field; apply and
+    restore each inline it. For "highest" and "bfx9" the getter not raising rules out
+    tf32 and bf16 in both slots (it raises whenever either resolves to one of them
+    while it says "highest"), so only cuda/matmul's bfx9 is read (it reads "highest"
+    under bfx9). For "high" and "medium" the getter rules out only the other reduced
+    type on oneDNN, so mkldnn/matmul is read; the cuBLAS getter answers True without
+    raising exactly when cuda/matmul resolves to tf32 (and is cheaper than the string
+    getter). "bfx9" is written as the legacy setter's "highest" (full float32 on
+    oneDNN), then cuda/matmul "bfx9". For cuDNN, ``torch.backends.cudnn.allow_tf32`` reads
+    ``b`` without raising (so conv and rnn both resolve to tf32 exactly when ``b``)
+    and, for False, cudnn.fp32_precision does not read "tf32". :func:`restore` checks
+    the same definition on exit. Otherwise the exact raw state is saved first: E, B and
+    each written slot's raw value, read off the readings where they decide it and
+    probed where they do not.
+
+    cuDNN: torch's legacy setter writes conv and rnn as "none" for False, which
+    resolves to tf32 under a tf32 parent (cudnn.fp32_precision, cuda/all, or
+    torch.backends.fp32_precision), and Inductor's Triton conv templates read cuda/all
+    itself; so where cuda/all reads "tf32", False also moves it to "ieee", pinning
+    cuda/matmul (when this scope leaves the matmul precision alone) to the value it read.
+    """
+    sm: MatmulSaved | None = None
+    all_reading: str | None = None  # cuda/all: read at most once, SM does not write it
+    if t is not None:
         try:
-            return _GM()
+            e: str | None = _GM()
         except RuntimeError:
-            pass
-        # With both matmul slots at "ieee" no consistency check can fail, so the getter shows E.
-        _S("cuda", "matmul", "ieee")
-        _S("mkldnn", "matmul", "ieee")
-        try:
-            return _GM()
-        finally:
-            _S("cuda", "matmul", cuda_raw)
-            _S("mkldnn", "matmul", mkldnn_raw)
-
-    def legacy_cudnn(conv: str, rnn: str, conv_raw: str, rnn_raw: str) -> bool:
-        """The legacy cuDNN bool B, also where torch's getter raises."""
-        try:
-            return _GB()
-        except RuntimeError:
-            pass
-        conv_tf32 = conv == "tf32"
-        if conv_tf32 == (rnn == "tf32"):
-            return not conv_tf32  # the getter raises only because B disagrees with both
-        # conv and rnn disagree: B is invisible. With both at "ieee" the getter answers
-        # False for B == False and raises for B == True.
-        _S("cuda", "conv", "ieee")
-        _S("cuda", "rnn", "ieee")
-        try:
-            _GB()
-        except RuntimeError:
-            return True
+            e = None
+        if t == "highest":
+            held = e == t and (not _BFX9 or _G("cuda", "matmul") != "bfx9")
+        elif t == "bfx9":
+            held = e == "highest" and _G("cuda", "matmul") == "bfx9"
         else:
-            return False
-        finally:
-            _S("cuda", "conv", conv_raw)
-            _S("cuda", "rnn", rnn_raw)
-
-    # -- matmul field ---------------------------------------------------------------------
-    # The hot path: each function reads every value once, probes only where the readings
-    # leave a raw value open, and writes only what differs.
-
-    def apply(t: str | None, b: bool | None) -> Token:  # noqa: C901, PLR0912, PLR0915  (hot path: one flat function on purpose)
-        """Apply the fields that are not None; returns the token :func:`restore` takes.
-
-        A field that already holds is not written (and nothing of it is saved). "Holds"
-        means that every slot the field governs resolves to what torch's legacy setter
-        writes for the value, and the legacy getter shows the value without raising: for
-        the matmul field, ``get_float32_matmul_precision()`` returns ``t`` ("highest" for
-        "bfx9"), cuda/matmul resolves to tf32 exactly for "high" and "medium" and to bfx9
-        exactly for "bfx9", and mkldnn/matmul resolves to tf32 for "high", bf16 for
-        "medium" and neither for "highest" and "bfx9" (a slot resolving to "none" computes
-        as "ieee"). This is the one definition of "held" for the matmul field; apply and
-        restore each inline it. For "highest" and "bfx9" the getter not raising rules out
-        tf32 and bf16 in both slots (it raises whenever either resolves to one of them
-        while it says "highest"), so only cuda/matmul's bfx9 is read (it reads "highest"
-        under bfx9). For "high" and "medium" the getter rules out only the other reduced
-        type on oneDNN, so mkldnn/matmul is read; the cuBLAS getter answers True without
-        raising exactly when cuda/matmul resolves to tf32 (and is cheaper than the string
-        getter). "bfx9" is written as the legacy setter's "highest" (full float32 on
-        oneDNN), then cuda/matmul "bfx9". For cuDNN, ``torch.backends.cudnn.allow_tf32`` reads
-        ``b`` without raising (so conv and rnn both resolve to tf32 exactly when ``b``)
-        and, for False, cudnn.fp32_precision does not read "tf32". :func:`restore` checks
-        the same definition on exit. Otherwise the exact raw state is saved first: E, B and
-        each written slot's raw value, read off the readings where they decide it and
-        probed where they do not.
-
-        cuDNN: torch's legacy setter writes conv and rnn as "none" for False, which
-        resolves to tf32 under a tf32 parent (cudnn.fp32_precision, cuda/all, or
-        torch.backends.fp32_precision), and Inductor's Triton conv templates read cuda/all
-        itself; so where cuda/all reads "tf32", False also moves it to "ieee", pinning
-        cuda/matmul (when this scope leaves the matmul precision alone) to the value it read.
-        """
-        sm: MatmulSaved | None = None
-        all_reading: str | None = None  # cuda/all: read at most once, SM does not write it
-        if t is not None:
-            try:
-                e: str | None = _GM()
-            except RuntimeError:
-                e = None
-            if t == "highest":
-                held = e == t and (not _BFX9 or _G("cuda", "matmul") != "bfx9")
-            elif t == "bfx9":
-                held = e == "highest" and _G("cuda", "matmul") == "bfx9"
+            held = e == t
+            if held:
+                try:
+                    held = _GBLAS() is True and _G("mkldnn", "matmul") == SM_WRITES_MKLDNN[t]
+                except RuntimeError:
+                    held = False
+        if not held:
+            r = _G("cuda", "matmul")
+            if r == "none":
+                cuda_raw = r  # an explicit ieee/tf32 would read as such
             else:
-                held = e == t
-                if held:
-                    try:
-                        held = _GBLAS() is True and _G("mkldnn", "matmul") == SM_WRITES_MKLDNN[t]
-                    except RuntimeError:
-                        held = False
-            if not held:
-                r = _G("cuda", "matmul")
-                if r == "none":
-                    cuda_raw = r  # an explicit ieee/tf32 would read as such
-                else:
-                    all_reading = _G("cuda", "all")
-                    cuda_raw = r if r != all_reading else raw_op("cuda", "matmul", all_reading)
-                r = _G("mkldnn", "matmul")
-                mkldnn_raw = r if r == "none" or r != _G("mkldnn", "all") else raw_op("mkldnn", "matmul")
-                if e is None:
-                    e = legacy_matmul(cuda_raw, mkldnn_raw)
-                if t == "bfx9":
-                    _SM("highest")
-                    _S("cuda", "matmul", "bfx9")
-                else:
-                    _SM(t)
-                sm = (e, cuda_raw, mkldnn_raw)
-        if b is None:
-            return (t, b, sm, None)
-        try:
-            try:
-                cur: bool | None = _GB()
-            except RuntimeError:
-                cur = None
-            if cur is b:
-                # No raise: conv and rnn both read tf32 iff b.
-                if b:
-                    return (t, b, sm, None)
-                if all_reading is None:
-                    all_reading = _G("cuda", "all")
-                if all_reading != "tf32":
-                    return (t, b, sm, all_reading)  # held; the reading lets a flip be undone
-            elif all_reading is None:
                 all_reading = _G("cuda", "all")
-            conv = _G("cuda", "conv")
-            rnn = _G("cuda", "rnn")
-            conv_raw = conv if conv == "none" or conv != all_reading else raw_op("cuda", "conv", all_reading)
-            rnn_raw = rnn if rnn == "none" or rnn != all_reading else raw_op("cuda", "rnn", all_reading)
-            if cur is None:
-                cur = legacy_cudnn(conv, rnn, conv_raw, rnn_raw)
-            all_raw: str | None = None
-            matmul_raw: str | None = None
-            if not b and all_reading == "tf32":
-                all_raw = raw_all("cuda")
-                if sm is None:  # this scope leaves the matmul precision alone: pin it
-                    matmul_raw = raw_op("cuda", "matmul", all_reading)
-            # The legacy setter writes conv and rnn as "none" for False; they then resolve
-            # through cuda/all, which after this reads ieee or none: never tf32.
-            _SB(b)
-            if all_raw is not None:
-                if matmul_raw == "none":
-                    _S("cuda", "matmul", "tf32")
-                _S("cuda", "all", "ieee")
-        except BaseException:
-            if sm is not None:  # only an interrupt or a torch error gets here: undo the matmul field
-                restore((t, None, sm, None))
-            raise
-        return (t, b, sm, (cur, conv_raw, rnn_raw, all_raw, matmul_raw))
-
-    def restore(token: Token) -> str | None:  # noqa: C901, PLR0912, PLR0915  (hot path: inlined on purpose)
-        """Undo what :func:`apply` did; say what the block changed, if it changed what was applied.
-
-        Restores in the reverse order of :func:`apply`. Where a field was already held
-        (nothing saved), a block that broke it gets the field re-applied.
-        """
-        t, b, sm, sc = token
-        note = None
-        if b is not None:
-            try:
-                ok = _GB() is b
-            except RuntimeError:
-                ok = False
-            if ok and not b:
-                ok = _G("cuda", "all") != "tf32"
-            if not ok:
-                note = describe("cudnn_allow_tf32", b, CUDNN_READINGS)
-            if type(sc) is tuple:
-                cur, conv_raw, rnn_raw, all_raw, matmul_raw = sc
-                if all_raw is not None:
-                    _S("cuda", "all", all_raw)
-                    if matmul_raw == "none":
-                        _S("cuda", "matmul", "none")
-                _SB(cur)
-                written = "tf32" if cur else "none"
-                if conv_raw != written:
-                    _S("cuda", "conv", conv_raw)
-                if rnn_raw != written:
-                    _S("cuda", "rnn", rnn_raw)
-            elif not ok:
-                # The scope saved nothing: re-establish b. For False, cuda/all goes back to the
-                # reading it had; where a parent the block changed still makes that tf32 (an
-                # inherited "none"), to "ieee".
-                _SB(b)
-                if isinstance(sc, str) and _G("cuda", "all") != sc:
-                    _S("cuda", "all", sc)
-                    if _G("cuda", "all") == "tf32":
-                        _S("cuda", "all", "ieee")
-        if t is not None:
-            try:  # "held" as apply defines it: the exit check uses the entry's definition
-                if t == "highest":
-                    ok = _GM() == t and (not _BFX9 or _G("cuda", "matmul") != "bfx9")
-                elif t == "bfx9":
-                    ok = _GM() == "highest" and _G("cuda", "matmul") == "bfx9"
-                else:
-                    ok = _GM() == t and _GBLAS() is True and _G("mkldnn", "matmul") == SM_WRITES_MKLDNN[t]
-            except RuntimeError:
-                ok = False
-            if not ok:
-                found = describe("matmul precision", t, MATMUL_READINGS)
-                note = found if note is None else f"{found}; {note}"
-            if sm is not None:
-                e, cuda_raw, mkldnn_raw = sm
-                _SM(e)
-                if cuda_raw != SM_WRITES_CUDA[e]:
-                    _S("cuda", "matmul", cuda_raw)
-                if mkldnn_raw != SM_WRITES_MKLDNN[e]:
-                    _S("mkldnn", "matmul", mkldnn_raw)
-            elif not ok:
-                _SM("highest" if t == "bfx9" else t)
-                if t == "bfx9":
-                    _S("cuda", "matmul", "bfx9")
-        return note
-
-    # -- whole state ----------------------------------------------------------------------
-
-    def save_raw_state() -> RawState:
-        """Every raw value: (E, B, the nine slots in ``SLOTS`` order)."""
-        raws = [_G("generic", "all"), raw_all("cuda"), raw_all("mkldnn")]
-        raws += [raw_op(b, o) for b, o, _ in SLOTS[3:]]
-        e = legacy_matmul(raws[3], raws[6])
-        b = legacy_cudnn(_G("cuda", "conv"), _G("cuda", "rnn"), raws[4], raws[5])
-        return (e, b, tuple(raws))
-
-    def restore_raw_state(state: RawState) -> None:
-        """Write back what :func:`save_raw_state` returned (legacy setters first)."""
-        e, b, raws = state
-        _SM(e)
+                cuda_raw = r if r != all_reading else raw_op("cuda", "matmul", all_reading)
+            r = _G("mkldnn", "matmul")
+            mkldnn_raw = r if r == "none" or r != _G("mkldnn", "all") else raw_op("mkldnn", "matmul")
+            if e is None:
+                e = legacy_matmul(cuda_raw, mkldnn_raw)
+            if t == "bfx9":
+                _SM("highest")
+                _S("cuda", "matmul", "bfx9")
+            else:
+                _SM(t)
+            sm = (e, cuda_raw, mkldnn_raw)
+    if b is None:
+        return (t, b, sm, None)
+    try:
+        try:
+            cur: bool | None = _GB()
+        except RuntimeError:
+            cur = None
+        if cur is b:
+            # No raise: conv and rnn both read tf32 iff b.
+            if b:
+                return (t, b, sm, None)
+            if all_reading is None:
+                all_reading = _G("cuda", "all")
+            if all_reading != "tf32":
+                return (t, b, sm, all_reading)  # held; the reading lets a flip be undone
+        elif all_reading is None:
+            all_reading = _G("cuda", "all")
+        conv = _G("cuda", "conv")
+        rnn = _G("cuda", "rnn")
+        conv_raw = conv if conv == "none" or conv != all_reading else raw_op("cuda", "conv", all_reading)
+        rnn_raw = rnn if rnn == "none" or rnn != all_reading else raw_op("cuda", "rnn", all_reading)
+        if cur is None:
+            cur = legacy_cudnn(conv, rnn, conv_raw, rnn_raw)
+        all_raw: str | None = None
+        matmul_raw: str | None = None
+        if not b and all_reading == "tf32":
+            all_raw = raw_all("cuda")
+            if sm is None:  # this scope leaves the matmul precision alone: pin it
+                matmul_raw = raw_op("cuda", "matmul", all_reading)
+        # The legacy setter writes conv and rnn as "none" for False; they then resolve
+        # through cuda/all, which after this reads ieee or none: never tf32.
         _SB(b)
-        for (backend, op, _), raw in zip(SLOTS, raws, strict=True):
-            _S(backend, op, raw)
+        if all_raw is not None:
+            if matmul_raw == "none":
+                _S("cuda", "matmul", "tf32")
+            _S("cuda", "all", "ieee")
+    except BaseException:
+        if sm is not None:  # only an interrupt or a torch error gets here: undo the matmul field
+            restore((t, None, sm, None))
+        raise
+    return (t, b, sm, (cur, conv_raw, rnn_raw, all_raw, matmul_raw))
 
-    def read_all() -> FlagReadings:
-        """Every reading torch offers, as the user would see it; a raising getter reads RAISES."""
-        out: FlagReadings = {
-            LEGACY_MATMUL: _try(_GM),
-            LEGACY_CUBLAS: _try(_GBLAS),
-            LEGACY_CUDNN: _try(_GB),
-        }
-        for backend, op, name in SLOTS:
-            out[name] = _G(backend, op)
-        return out
+
+def restore(token: Token) -> str | None:  # noqa: C901, PLR0912, PLR0915  (hot path: inlined on purpose)
+    """Undo what :func:`apply` did; say what the block changed, if it changed what was applied.
+
+    Restores in the reverse order of :func:`apply`. Where a field was already held
+    (nothing saved), a block that broke it gets the field re-applied.
+    """
+    t, b, sm, sc = token
+    note = None
+    if b is not None:
+        try:
+            ok = _GB() is b
+        except RuntimeError:
+            ok = False
+        if ok and not b:
+            ok = _G("cuda", "all") != "tf32"
+        if not ok:
+            note = describe("cudnn_allow_tf32", b, CUDNN_READINGS)
+        if type(sc) is tuple:
+            cur, conv_raw, rnn_raw, all_raw, matmul_raw = sc
+            if all_raw is not None:
+                _S("cuda", "all", all_raw)
+                if matmul_raw == "none":
+                    _S("cuda", "matmul", "none")
+            _SB(cur)
+            written = "tf32" if cur else "none"
+            if conv_raw != written:
+                _S("cuda", "conv", conv_raw)
+            if rnn_raw != written:
+                _S("cuda", "rnn", rnn_raw)
+        elif not ok:
+            # The scope saved nothing: re-establish b. For False, cuda/all goes back to the
+            # reading it had; where a parent the block changed still makes that tf32 (an
+            # inherited "none"), to "ieee".
+            _SB(b)
+            if isinstance(sc, str) and _G("cuda", "all") != sc:
+                _S("cuda", "all", sc)
+                if _G("cuda", "all") == "tf32":
+                    _S("cuda", "all", "ieee")
+    if t is not None:
+        try:  # "held" as apply defines it: the exit check uses the entry's definition
+            if t == "highest":
+                ok = _GM() == t and (not _BFX9 or _G("cuda", "matmul") != "bfx9")
+            elif t == "bfx9":
+                ok = _GM() == "highest" and _G("cuda", "matmul") == "bfx9"
+            else:
+                ok = _GM() == t and _GBLAS() is True and _G("mkldnn", "matmul") == SM_WRITES_MKLDNN[t]
+        except RuntimeError:
+            ok = False
+        if not ok:
+            found = describe("matmul precision", t, MATMUL_READINGS)
+            note = found if note is None else f"{found}; {note}"
+        if sm is not None:
+            e, cuda_raw, mkldnn_raw = sm
+            _SM(e)
+            if cuda_raw != SM_WRITES_CUDA[e]:
+                _S("cuda", "matmul", cuda_raw)
+            if mkldnn_raw != SM_WRITES_MKLDNN[e]:
+                _S("mkldnn", "matmul", mkldnn_raw)
+        elif not ok:
+            _SM("highest" if t == "bfx9" else t)
+            if t == "bfx9":
+                _S("cuda", "matmul", "bfx9")
+    return note
+
+
+# -- whole state ----------------------------------------------------------------------
+
+
+def save_raw_state() -> RawState:
+    """Every raw value: (E, B, the nine slots in ``SLOTS`` order)."""
+    raws = [_G("generic", "all"), raw_all("cuda"), raw_all("mkldnn")]
+    raws += [raw_op(b, o) for b, o, _ in SLOTS[3:]]
+    e = legacy_matmul(raws[3], raws[6])
+    b = legacy_cudnn(_G("cuda", "conv"), _G("cuda", "rnn"), raws[4], raws[5])
+    return (e, b, tuple(raws))
+
+
+def restore_raw_state(state: RawState) -> None:
+    """Write back what :func:`save_raw_state` returned (legacy setters first)."""
+    e, b, raws = state
+    _SM(e)
+    _SB(b)
+    for (backend, op, _), raw in zip(SLOTS, raws, strict=True):
+        _S(backend, op, raw)
+
+
+def read_all() -> FlagReadings:
+    """Every reading torch offers, as the user would see it; a raising getter reads RAISES."""
+    out: FlagReadings = {
+        LEGACY_MATMUL: _try(_GM),
+        LEGACY_CUBLAS: _try(_GBLAS),
+        LEGACY_CUDNN: _try(_GB),
+    }
+    for backend, op, name in SLOTS:
+        out[name] = _G(backend, op)
+    return out
+
 
 # The legacy-API-only implementation: what torch < 2.9 gets. Defined on every torch so that
 # the tests can run it on a new torch too (through legacy writes only, which keep the two

@@ -24,6 +24,7 @@ from fp32scope import (
     set_process_default,
     with_fp32_precision,
 )
+from fp32scope._precision import MATMUL_PRECISIONS
 
 
 @pytest.mark.parametrize(
@@ -39,12 +40,11 @@ def test_spellings_with_hyphens_and_underscores_get_the_hint(word: str, meant: s
 def test_an_error_without_a_node_starts_with_the_argument_alone() -> None:
     with pytest.raises(ValueError, match="must be one of") as matmul:
         fp32_precision_scope(Fp32Precision("fast"))  # type: ignore[arg-type]
-    assert str(matmul.value) == "precision.matmul must be one of 'highest', 'high', 'medium' or None; got 'fast'."
+    words = ", ".join(map(repr, MATMUL_PRECISIONS))  # what this torch accepts ('bfx9' from torch 2.15)
+    assert str(matmul.value) == f"precision.matmul must be one of {words} or None; got 'fast'."
     with pytest.raises(TypeError, match="must be a str") as not_str:
         fp32_precision_scope(Fp32Precision(1))  # type: ignore[arg-type]
-    assert str(not_str.value) == (
-        "precision.matmul must be a str, one of 'highest', 'high', 'medium', or None; got 1 of type int."
-    )
+    assert str(not_str.value) == f"precision.matmul must be a str, one of {words}, or None; got 1 of type int."
     with pytest.raises(TypeError, match="must be True") as cudnn:
         set_process_default(Fp32Precision(None, "yes"))  # type: ignore[arg-type]
     assert str(cudnn.value) == "precision.cudnn_allow_tf32 must be True, False or None; got 'yes' of type str."
@@ -242,3 +242,62 @@ def test_the_legacy_implementation_names_a_matmul_flip_alone(monkeypatch: pytest
     assert changed.startswith("matmul precision applied as 'highest', found ")
     assert "cudnn_allow_tf32" not in changed
     assert "; " not in changed
+
+
+@pytest.mark.skipif(not _flags.HAS_NEW_API, reason="cudnn.fp32_precision exists from torch 2.9")
+def test_a_held_cudnn_false_is_re_established_when_the_block_sets_cudnn_fp32_precision_tf32() -> None:
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.fp32_precision = "ieee"
+    # conv and rnn explicit ieee: allow_tf32 keeps reading False (no raise) whatever cuda/all
+    # reads, so only cudnn.fp32_precision itself tells that the block broke the held False.
+    torch.backends.cudnn.conv.fp32_precision = "ieee"  # type: ignore[attr-defined]
+    torch.backends.cudnn.rnn.fp32_precision = "ieee"  # type: ignore[attr-defined]
+    scope = fp32_precision_scope(Fp32Precision(None, cudnn_allow_tf32=False))
+    with pytest.warns(Fp32FlagsChangedWarning, match="cudnn_allow_tf32 applied as False"), scope:
+        torch.backends.cudnn.fp32_precision = "tf32"  # Inductor's conv templates read this
+    assert torch.backends.cudnn.fp32_precision == "ieee"
+    assert torch.backends.cudnn.allow_tf32 is False
+
+
+def test_a_flip_of_the_matmul_field_alone_names_only_it() -> None:
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    before = _flags.read_all()
+
+    def block() -> None:
+        with fp32_precision_scope(Fp32Precision("highest", cudnn_allow_tf32=True)):
+            torch.set_float32_matmul_precision("medium")
+
+    changed = _flip_warning(block).partition("Changed: ")[2]
+    assert _flags.read_all() == before
+    assert changed.startswith("matmul precision applied as 'highest', found ")
+    assert "cudnn_allow_tf32" not in changed
+    assert "; " not in changed
+    assert "None" not in changed
+
+
+@pytest.mark.skipif(not _flags.HAS_NEW_API, reason="cudnn.fp32_precision exists from torch 2.9")
+def test_cudnn_false_is_not_held_while_cudnn_fp32_precision_reads_tf32() -> None:
+    torch.backends.cudnn.allow_tf32 = False
+    # conv and rnn explicit ieee: allow_tf32 reads False without raising, but cuda/all is tf32.
+    torch.backends.cudnn.conv.fp32_precision = "ieee"  # type: ignore[attr-defined]
+    torch.backends.cudnn.rnn.fp32_precision = "ieee"  # type: ignore[attr-defined]
+    torch.backends.cudnn.fp32_precision = "tf32"
+    before = _flags.save_raw_state()
+    with fp32_precision_scope(Fp32Precision(None, cudnn_allow_tf32=False)):
+        assert torch.backends.cudnn.fp32_precision != "tf32"  # Inductor's conv templates read it
+    assert _flags.save_raw_state() == before
+
+
+@pytest.mark.skipif(not _flags.HAS_NEW_API, reason="cudnn.conv/rnn.fp32_precision exist from torch 2.9")
+@pytest.mark.parametrize("op", ["conv", "rnn"])
+@pytest.mark.parametrize("applied", [True, False])
+def test_a_hidden_cudnn_false_is_restored_when_one_op_alone_reads_tf32(op: str, applied: bool) -> None:
+    torch.backends.cudnn.allow_tf32 = False
+    # One op tf32, the other "none" (ieee): allow_tf32 raises, B is seen only by probing.
+    setattr(getattr(torch.backends.cudnn, op), "fp32_precision", "tf32")  # noqa: B010
+    before = _flags.save_raw_state()
+    assert before[1] is False
+    with fp32_precision_scope(Fp32Precision(None, cudnn_allow_tf32=applied)):
+        pass
+    assert _flags.save_raw_state() == before
