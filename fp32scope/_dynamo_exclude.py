@@ -37,6 +37,10 @@ _REASON = (
 )
 _pending: list[tuple[Callable[..., Any], bool]] = []
 _done = [False]
+# Every code object skipped so far: ``torch._dynamo.reset()`` clears the skip mark of a code
+# object Dynamo has seen (torch 2.4's strict export converts such frames), so each new
+# wrapper marks them all again.
+_skipped: list[types.CodeType] = []
 
 
 def exclude(*functions: Callable[..., Any], graph_break: bool = True) -> None:
@@ -56,10 +60,11 @@ def _flush() -> None:
 
     while _pending:
         fn, graph_break = _pending.pop()
-        for code in _code_objects(fn.__code__):
-            skip_code(code)
+        _skipped.extend(_code_objects(fn.__code__))
         if graph_break:
             mark_function(fn)
+    for code in _skipped:
+        skip_code(code)
     _done[0] = True
 
 
@@ -81,9 +86,8 @@ def mark_function(fn: Callable[..., Any]) -> None:
 
 
 def ensure() -> None:
-    """Mark everything registered so far (called when a wrapper is built)."""
-    if not _done[0] or _pending:
-        _flush()
+    """Mark everything registered so far, again (called when a wrapper is built)."""
+    _flush()
 
 
 # -- what Dynamo does to the flags ------------------------------------------------------
