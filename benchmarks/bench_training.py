@@ -9,6 +9,12 @@ the cases interleaved loop by loop, all in one process, so the differences and r
 compare like with like on a noisy machine. Inference calls under ``torch.no_grad()`` and
 ``torch.inference_mode()`` show that the default adds nothing there.
 
+The floor: what any design that runs a node's backward apart from the caller's, in a
+scope of its own and exception-safe, pays in torch itself: the same step with the module's
+output handed through one custom ``autograd.Function`` whose backward runs autograd's
+engine again from the real output to the parameters (no fp32scope, no flags). The backward
+scope's addition minus the floor's is what fp32scope's own Python costs.
+
 Also: the copy ops of one MLP training step, bare and scoped, counted with a dispatch mode
 (equal: the scoped backward hands each parameter the engine's gradient buffer, as torch
 does), and the cost per parameter tensor: stacks of ``Linear(16, 16)`` holding 1, 6 and 24
@@ -73,6 +79,33 @@ def build(kind: str) -> tuple[torch.nn.Module, torch.Tensor]:
             return torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(n // 2))), torch.randn(4, 16)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512))
     return model, torch.randn(32, 512)
+
+
+class _FloorBoundary(torch.autograd.Function):
+    """One node for a module's whole subgraph; its backward runs the engine on it again."""
+
+    @staticmethod
+    def forward(ctx: Any, held: list[torch.Tensor], *leaves: torch.Tensor) -> torch.Tensor:
+        ctx.held = held
+        ctx.leaves = leaves
+        return held[0].detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        engine = torch.autograd.Variable._execution_engine
+        grads = engine.run_backward(tuple(ctx.held), (grad,), False, False, ctx.leaves, True, False)
+        return (None, *grads)
+
+
+def floor_of(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The module behind the floor's boundary (the real output held in a list: not an edge)."""
+    leaves = tuple(module.parameters())
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _FloorBoundary.apply([module(x)], *leaves)  # type: ignore[no-untyped-call]
+        return out
+
+    return call
 
 
 class _CountCopies(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -145,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         cases[f"{kind}: train step, bare module"] = bare_step
         cases[f"{kind}: train step, forward-only scope"] = forward_only_step
         cases[f"{kind}: train step, forward and backward scoped"] = both_step
+        if kind in (TINY, PER_PARAMETER[24]):
+            floor = floor_of(module)
+
+            def floor_step(m: object = floor, p: list[torch.nn.Parameter] = params, x: torch.Tensor = x) -> None:
+                training_step(m, p, x)  # type: ignore[arg-type]
+
+            cases[f"{kind}: train step, torch's floor (Function + engine again)"] = floor_step
 
     module, x = build(TINY)
     forward_only = Fp32ScopedModule(module, FULL, backward=False)
@@ -195,9 +235,17 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     def adds(kind: str) -> float:
         return med[f"{kind}: train step, forward and backward scoped"] - med[f"{kind}: train step, forward-only scope"]
 
+    def floor_adds(kind: str) -> float:
+        floor = med[f"{kind}: train step, torch's floor (Function + engine again)"]
+        return floor - med[f"{kind}: train step, bare module"]
+
     few, most = PER_PARAMETER[1], PER_PARAMETER[24]
     figures = {
         f"{tiny}: backward scope adds, us [goal <= 40]": adds(tiny),
+        f"{tiny}: torch's floor adds, us": floor_adds(tiny),
+        f"{tiny}: fp32scope's own part (scope adds - floor adds), us": adds(tiny) - floor_adds(tiny),
+        f"{most}: torch's floor adds, us": floor_adds(most),
+        f"{most}: fp32scope's own part (scope adds - floor adds), us": adds(most) - floor_adds(most),
         f"{mlp}: scoped / forward-only step [goal <= 1.05]": med[f"{mlp}: train step, forward and backward scoped"]
         / med[f"{mlp}: train step, forward-only scope"],
         f"{mlp}: backward scope adds, us": adds(mlp),

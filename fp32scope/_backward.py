@@ -61,6 +61,9 @@ _Tensor = torch.Tensor
 _LEAF_SEQ = 2**64 - 1
 _empty = torch.empty
 _functorch_level = torch._C._functorch.maybe_current_level
+# The base of every Python autograd node (custom Functions, AOTAutograd's compiled ones);
+# torch's own nodes are C++ ones.
+_PythonNode = torch._C._FunctionBase
 
 #: Whether the running backward retains its graph (torch >= 2.5); None: the gate node tells.
 _keep_graph: Callable[[], bool] | None = CURRENT_GRAPH_TASK_KEEPS_GRAPH
@@ -87,6 +90,7 @@ class _State:
     """What one recorded call leaves for its backward."""
 
     __slots__ = (
+        "direct",
         "extended",
         "inner_inputs",
         "inner_outputs",
@@ -119,6 +123,10 @@ class _State:
         # call (reached other than through the arguments): that history may be the caller's
         # graph's too, so the nested engine must not free it.
         self.extended = False
+        # Whether the subgraph's gradients for the caller's leaves may go back through the
+        # boundary, for the caller's engine to accumulate (see _direct_backward): no node in
+        # the subgraph is a Python one, which might read a leaf's .grad as it runs.
+        self.direct = False
         # A weak reference to a tensor only the gate node holds (saved for backward): alive
         # while the engine keeps the gate's saved tensors. None under a saved-tensor hook,
         # which takes the tensor away.
@@ -172,6 +180,28 @@ def _scoped_backward(
     finally:
         leaves.close()
     return leaves.for_boundary(computed, len(inputs))
+
+
+def _direct_backward(
+    state: _State, outs: tuple[torch.Tensor, ...], gs: tuple[torch.Tensor, ...], keep: bool
+) -> list[torch.Tensor | None] | tuple[torch.Tensor | None, ...]:
+    """Run the call's subgraph from ``outs`` in its scope; every leaf's gradient goes back.
+
+    For a subgraph of torch's own nodes only: nothing in it reads a leaf's ``.grad`` while
+    it runs, so the caller's engine accumulates the leaves when the boundary hands their
+    gradients back, as it would have a moment earlier without the boundary (the same
+    ``AccumulateGrad`` node, its hooks, its stealing of the buffer). The nested engine runs
+    the tensor hooks of a leaf it captures; the caller's engine runs them again, so they
+    are muted here.
+    """
+    inputs = state.inner_inputs
+    muted = mute_tensor_hooks(inputs, state.leaf_nodes)
+    try:
+        with state.scope():
+            return engine_grad(outs, tuple(inputs), gs, keep=keep)  # type: ignore[no-any-return]
+    finally:
+        if muted:
+            unmute(muted)
 
 
 class Fp32ScopedCall(torch.autograd.Function):
@@ -235,10 +265,19 @@ class Fp32ScopedCall(torch.autograd.Function):
             ref = state.sentinel
             keep = state.shared or ref is None or ref() is not None
         # An extended subgraph runs nodes that may be the caller's too: never free them here.
-        computed = _scoped_backward(state, outs, gs, keep or state.extended)
+        if state.direct:
+            computed = _direct_backward(state, outs, gs, keep or state.extended)
+        else:
+            computed = _scoped_backward(state, outs, gs, keep or state.extended)
         if not keep:
             _release(state)
         return (None, *computed)
+
+
+# Function.apply without its pass over the inputs for dead functorch wrappers (no
+# transform is active where a call is recorded; a wrapped input takes Function.apply).
+_apply_boundary: Callable[..., tuple[torch.Tensor, ...]] = super(torch.autograd.Function, Fp32ScopedCall).apply
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 class Fp32ScopedCallGate(torch.autograd.Function):
@@ -352,24 +391,40 @@ def _call_in_transform(
         return fn(*args, **kwargs)
 
 
-def _subgraph_leaves(roots: list[Any], start: int) -> tuple[dict[int, tuple[torch.Tensor, Any]], str | None]:
+def _is_leaf_cast(node: Any) -> bool:
+    # A dtype cast of leaves made before the call: autocast's cached cast of a parameter,
+    # which every call in one autocast region shares (the first call made it).
+    return type(node).__name__ == "ToCopyBackward0" and all(
+        nxt is None or nxt._sequence_nr() == _LEAF_SEQ for nxt, _ in node.next_functions
+    )
+
+
+def _subgraph_leaves(roots: list[Any], start: int) -> tuple[dict[int, tuple[torch.Tensor, Any]], _Walk]:
     """The leaves where the call's subgraph ends, each with its AccumulateGrad node.
 
     The subgraph is every node reachable from ``roots`` down to leaves. After the cut of
     its arguments the call's own nodes (sequence number ``start`` or later) lead to leaves
-    only; where one leads to a non-leaf node from before the call instead (a tensor the call
-    reached other than through its arguments), the subgraph takes in that tensor's history
-    too, down to its leaves, and the second value names that tensor (else None).
+    only; where one leads to a node from before the call instead (a tensor the call reached
+    other than through its arguments), the subgraph takes in that tensor's history too,
+    down to its leaves. The second value says what the walk found (:class:`_Walk`).
     """
     seen: set[Any] = set()
     stack = list(roots)
     leaves: dict[int, tuple[torch.Tensor, Any]] = {}
-    outside: str | None = None
+    walk = _Walk()
     while stack:
         node = stack.pop()
         if node in seen:
             continue
         seen.add(node)
+        if (
+            walk.direct
+            and isinstance(node, _PythonNode)
+            and not (
+                node._forward_cls is Fp32ScopedCall and node.state.direct  # type: ignore[attr-defined]
+            )
+        ):
+            walk.direct = False
         for nxt, _ in node.next_functions:
             if nxt is None:
                 continue
@@ -379,10 +434,29 @@ def _subgraph_leaves(roots: list[Any], start: int) -> tuple[dict[int, tuple[torc
                 if id(variable) not in leaves:
                     leaves[id(variable)] = (variable, nxt)
                 continue
-            if seq < start and outside is None:
-                outside = f"a non-leaf tensor made by {type(nxt).__name__}"
+            if seq < start:
+                walk.extended = True
+                if walk.outside is None and not _is_leaf_cast(nxt):
+                    walk.outside = f"a non-leaf tensor made by {type(nxt).__name__}"
             stack.append(nxt)
-    return leaves, outside
+    return leaves, walk
+
+
+class _Walk:
+    """What :func:`_subgraph_leaves` found besides the leaves."""
+
+    __slots__ = ("direct", "extended", "outside")
+
+    def __init__(self) -> None:
+        # Whether every node is one of torch's own (C++) nodes, or a boundary that hands
+        # its leaves' gradients back itself.
+        self.direct = True
+        # Whether the subgraph takes in nodes from before the call (the caller's graph may
+        # run them too: the nested engine must not free them).
+        self.extended = False
+        # What the first of those is, unless each is a cast of leaves (autocast's cache,
+        # shared by the calls of one autocast region: nothing to warn about).
+        self.outside: str | None = None
 
 
 def call_recorded(  # noqa: C901, PLR0912, PLR0913, PLR0915  (one flat pass: runs on every call in grad mode)
@@ -449,14 +523,15 @@ def call_recorded(  # noqa: C901, PLR0912, PLR0913, PLR0915  (one flat pass: run
             inner_outputs.append(value)
             roots.append(node)
     if roots:
-        leaves, outside = _subgraph_leaves(roots, start)
-        if outside is not None:
-            _warn_extended(owner, outside)
+        leaves, walk = _subgraph_leaves(roots, start)
+        if walk.outside is not None:
+            _warn_extended(owner, walk.outside)
         # Only the aliases the subgraph reaches: inner_inputs keeps them alive, so no id in
         # the map can be reused by another tensor.
         state = _State(scope, owner, start, {})
         state.shared = shared
-        state.extended = outside is not None
+        state.extended = walk.extended
+        state.direct = walk.direct and walk.outside is None
         state.inner_outputs = inner_outputs
         inner_inputs = state.inner_inputs
         leaf_nodes = state.leaf_nodes
@@ -472,7 +547,10 @@ def call_recorded(  # noqa: C901, PLR0912, PLR0913, PLR0915  (one flat pass: run
                 leaf_nodes.append(None)
                 state_map[key] = original
                 outer_inputs.append(original)
-        wrapped = Fp32ScopedCall.apply(state, *outer_inputs)  # type: ignore[no-untyped-call]
+        if any(map(_functorch_wrapped, outer_inputs)):  # pragma: no cover  (a tensor escaped a transform)
+            wrapped = Fp32ScopedCall.apply(state, *outer_inputs)  # type: ignore[no-untyped-call]
+        else:
+            wrapped = _apply_boundary(state, *outer_inputs)
         if _keep_graph is None:  # pragma: no cover  (torch < 2.5)
             sentinel = _empty(0)
             wrapped = Fp32ScopedCallGate.apply(sentinel, *wrapped)  # type: ignore[no-untyped-call]

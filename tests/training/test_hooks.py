@@ -7,6 +7,10 @@ get, post-accumulate-grad hooks with the ``.grad`` they see, AccumulateGrad node
 right after the parameters' gradients are computed (as FSDP's post-backward does), and
 compares the two logs: same calls, in the same order for each parameter, with the same
 values. (The order in which two parameters' hooks interleave is the engine's, not a contract.)
+
+A subgraph of torch's own nodes hands its leaves' gradients back to the caller's engine,
+which accumulates them; one with a Python node in it (the reader, FSDP's post-backward, a
+custom Function) has them accumulated inside the nested engine. Both are run.
 """
 
 from __future__ import annotations
@@ -51,15 +55,17 @@ class _ReadGradAfter(torch.autograd.Function):
 
 
 class Block(torch.nn.Module):
-    def __init__(self, log: Log) -> None:
+    def __init__(self, log: Log, *, reader: bool = True) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(8, 8)
         self.log = log
+        self.reader = reader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The reader sits on the block's input: its backward runs after the linear's
         # parameters got their gradients (AccumulateGrad runs first in torch's engine).
-        x = _ReadGradAfter.apply(x, self.log, list(self.linear.parameters()))  # type: ignore[no-untyped-call]
+        if self.reader:
+            x = _ReadGradAfter.apply(x, self.log, list(self.linear.parameters()))  # type: ignore[no-untyped-call]
         return torch.tanh(self.linear(x))
 
 
@@ -88,10 +94,12 @@ def _instrument(block: Block, log: Log, *, modifying: bool) -> list[Any]:
     return handles
 
 
-def _run(wrap: Callable[[Block], Callable[[torch.Tensor], torch.Tensor]], how: str, *, modifying: bool) -> Log:
+def _run(
+    wrap: Callable[[Block], Callable[[torch.Tensor], torch.Tensor]], how: str, *, modifying: bool, reader: bool = True
+) -> Log:
     torch.manual_seed(0)
     log: Log = []
-    block = Block(log)
+    block = Block(log, reader=reader)
     pre = torch.nn.Linear(8, 8)
     handles = _instrument(block, log, modifying=modifying)
     node = wrap(block)
@@ -149,9 +157,10 @@ WRAPS: dict[str, Callable[[Block], Callable[[torch.Tensor], torch.Tensor]]] = {
 @pytest.mark.parametrize("wrap", sorted(WRAPS))
 @pytest.mark.parametrize("how", ["backward", "grad", "grad-input-only", "backward-inputs"])
 @pytest.mark.parametrize("modifying", [False, True], ids=["observing", "modifying"])
-def test_every_hook_fires_once_with_what_it_sees_unwrapped(wrap: str, how: str, modifying: bool) -> None:
-    expected = _run(lambda b: b, how, modifying=modifying)
-    got = _run(WRAPS[wrap], how, modifying=modifying)
+@pytest.mark.parametrize("reader", [True, False], ids=["python-node-inside", "torch-nodes-only"])
+def test_every_hook_fires_once_with_what_it_sees_unwrapped(wrap: str, how: str, modifying: bool, reader: bool) -> None:
+    expected = _run(lambda b: b, how, modifying=modifying, reader=reader)
+    got = _run(WRAPS[wrap], how, modifying=modifying, reader=reader)
     _assert_same(got, expected)
 
 
@@ -178,9 +187,24 @@ def test_post_accumulate_grad_hook_fires_once_per_step_with_grad_set() -> None:
         linear.weight.grad = None
 
 
-def test_a_tied_parameter_gets_both_parts_and_its_accumulation_hooks_fire_once() -> None:
+class _Identity(torch.autograd.Function):
+    """A Python node inside the node's subgraph: its leaves are accumulated in the nested engine."""
+
+    @staticmethod
+    def forward(_ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(_ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+@pytest.mark.parametrize("python_node", [False, True], ids=["torch-nodes-only", "python-node-inside"])
+def test_a_tied_parameter_gets_both_parts_and_its_accumulation_hooks_fire_once(python_node: bool) -> None:
     # Used inside the scoped node and before it: the gradient is the sum of both uses;
-    # post-accumulate-grad hooks fire once with that sum in .grad; tensor hooks see each part.
+    # post-accumulate-grad hooks fire once with that sum in .grad. Tensor hooks see the sum
+    # once, as unwrapped, where the node's subgraph hands its gradients back (torch's nodes
+    # only); each part where the nested engine accumulates (a Python node inside).
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(8, 8))
     tokens = torch.randn(4, 8)
@@ -190,6 +214,8 @@ def test_a_tied_parameter_gets_both_parts_and_its_accumulation_hooks_fire_once()
     weight.register_post_accumulate_grad_hook(lambda t: post.append(_value(t.grad)))  # type: ignore[no-untyped-call]
 
     def head(h: torch.Tensor) -> torch.Tensor:
+        if python_node:
+            h = _Identity.apply(h)  # type: ignore[no-untyped-call]
         return h @ weight.t()
 
     def loss_of(node: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -210,8 +236,12 @@ def test_a_tied_parameter_gets_both_parts_and_its_accumulation_hooks_fire_once()
     else:  # torch 2.4: they fire as each part is accumulated (see the training guide's limits)
         assert len(post) == 2
         torch.testing.assert_close(post[1], expected)
-    assert len(tensor_calls) == 2  # the part inside the node, then the part before it
-    torch.testing.assert_close(tensor_calls[0] + tensor_calls[1], expected)
+    if python_node:
+        assert len(tensor_calls) == 2  # the part inside the node, then the part before it
+        torch.testing.assert_close(tensor_calls[0] + tensor_calls[1], expected)
+    else:
+        assert len(tensor_calls) == 1  # the sum, as unwrapped
+        torch.testing.assert_close(tensor_calls[0], expected)
 
 
 def test_a_hook_removed_after_a_scoped_backward_stays_removed() -> None:

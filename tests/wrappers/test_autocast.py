@@ -330,6 +330,34 @@ def test_no_warning_outside_autocast() -> None:
         Fp32ScopedModule(Router(), FULL)(torch.ones(2, 16))
 
 
+@pytest.mark.parametrize("precision", [Fp32Precision("high"), FULL], ids=["high", "highest"])
+def test_a_node_called_twice_in_one_autocast_region_trains_like_the_bare_node_without_a_warning(
+    precision: Fp32Precision,
+) -> None:
+    # The second call gets autocast's cached bf16 weight, made (with its ToCopy node) by the
+    # first: a tensor from before the call that the node did not get as an argument, which
+    # is not a closure over an activation and must not be warned about as one.
+    torch.manual_seed(0)
+    bare = torch.nn.Linear(16, 16)
+    wrapped = copy.deepcopy(bare)
+    node = Fp32ScopedModule(wrapped, precision, autocast=True)
+    x = torch.randn(4, 16)
+    for _ in range(2):  # the cache is emptied when the region ends: a second region too
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for module, net in ((bare, bare), (wrapped, node)):
+                with torch.autocast("cpu", dtype=BF16):
+                    y = net(x) * net(x + 1)
+                y.float().square().sum().backward()
+                assert module.weight.grad is not None
+        assert wrapped.weight.grad is not None
+        assert bare.weight.grad is not None
+        # The two calls' parts reach the weight through the one cached cast: the bare engine
+        # sums them in bf16 before the cast back, the scoped node in float32 after it.
+        torch.testing.assert_close(wrapped.weight.grad, bare.weight.grad, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(wrapped.bias.grad, bare.bias.grad, rtol=1e-2, atol=1e-2)
+
+
 # -- arguments and declarations ---------------------------------------------------------
 
 
