@@ -18,7 +18,9 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
+import hypothesis.strategies as st
 import torch
 
 from fp32scope import _flags
@@ -214,3 +216,32 @@ class TorchModel:
             return False
         self.slots[target] = value
         return True
+
+
+#: One write a user can make: ("legacy", matmul word), ("cudnn", bool), or, on torch >= 2.9,
+#: ((backend, op), slot value).
+Write = tuple[Any, Any]
+
+
+def flag_writes(max_size: int) -> st.SearchStrategy[list[Write]]:
+    """Sequences of up to ``max_size`` writes of the flags, through the APIs a user would use."""
+    kinds = [
+        st.tuples(st.just("legacy"), st.sampled_from(["highest", "high", "medium"])),
+        st.tuples(st.just("cudnn"), st.booleans()),
+    ]
+    if _flags.HAS_NEW_API:  # before torch 2.9 the legacy writes are all there is
+        kinds.append(
+            st.tuples(st.sampled_from([(b, o) for b, o, _ in _flags.SLOTS]), st.sampled_from(["none", "ieee", "tf32"]))
+        )
+    return st.lists(st.one_of(*kinds), max_size=max_size)
+
+
+def apply_writes(model: TorchModel, sequence: list[Write]) -> None:
+    """Make each write to torch and to ``model`` alike."""
+    for key, value in sequence:
+        if key == "legacy":
+            model.set_matmul_precision(str(value))
+        elif key == "cudnn":
+            model.set_cudnn_allow_tf32(bool(value))
+        else:
+            model.set_slot(key[0], key[1], str(value))

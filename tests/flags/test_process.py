@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
 
-import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,7 +19,7 @@ from fp32scope import (
 )
 from tests._support.common import ALL
 from tests._support.releases import make_unusual_state, needs_new_api
-from tests._support.torch_model import TorchModel
+from tests._support.torch_model import TorchModel, Write, apply_writes, flag_writes
 
 
 @pytest.mark.parametrize("precision", ALL, ids=str)
@@ -111,29 +109,15 @@ def _slot_object(key: tuple[str, str]) -> object:
     return obj
 
 
-write_kinds = [
-    st.tuples(st.just("legacy"), st.sampled_from(["highest", "high", "medium"])),
-    st.tuples(st.just("cudnn"), st.booleans()),
-]
-if _flags.HAS_NEW_API:  # before torch 2.9 the legacy writes are all there is
-    write_kinds.append(
-        st.tuples(st.sampled_from([(b, o) for b, o, _ in _flags.SLOTS]), st.sampled_from(["none", "ieee", "tf32"]))
-    )
-writes = st.lists(st.one_of(*write_kinds), max_size=8)
+writes = flag_writes(max_size=8)
 
 
 @settings(max_examples=300, deadline=None)
 @given(writes)
-def test_current_never_raises_and_agrees_with_torch_when_consistent(sequence: list[tuple[Any, Any]]) -> None:
+def test_current_never_raises_and_agrees_with_torch_when_consistent(sequence: list[Write]) -> None:
     model = TorchModel()
     _flags.restore_raw_state(model.raw())
-    for key, value in sequence:
-        if key == "legacy":
-            model.set_matmul_precision(str(value))
-        elif key == "cudnn":
-            model.set_cudnn_allow_tf32(bool(value))
-        else:
-            model.set_slot(key[0], key[1], str(value))
+    apply_writes(model, sequence)
     current = current_fp32_precision()
     assert current.matmul in ("highest", "high", "medium")
     assert type(current.cudnn_allow_tf32) is bool

@@ -4,51 +4,30 @@ from __future__ import annotations
 
 from typing import Any
 
-import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, note, settings
 
 from fp32scope import Fp32Precision, Fp32ScopedModule, _flags, assert_fp32_flags_unchanged, fp32_precision_scope
 from tests._support.releases import needs_new_api
-from tests._support.torch_model import TorchModel
+from tests._support.torch_model import TorchModel, Write, apply_writes, flag_writes
 
-write_kinds = [
-    st.tuples(st.just("legacy"), st.sampled_from(["highest", "high", "medium"])),
-    st.tuples(st.just("cudnn"), st.booleans()),
-]
-if _flags.HAS_NEW_API:  # before torch 2.9 the legacy writes are all there is
-    write_kinds.append(
-        st.tuples(st.sampled_from([(b, o) for b, o, _ in _flags.SLOTS]), st.sampled_from(["none", "ieee", "tf32"]))
-    )
-writes = st.lists(st.one_of(*write_kinds), max_size=6)
-
-
-def apply(model: TorchModel, sequence: list[tuple[Any, Any]]) -> None:
-    for key, value in sequence:
-        if key == "legacy":
-            model.set_matmul_precision(str(value))
-        elif key == "cudnn":
-            model.set_cudnn_allow_tf32(bool(value))
-        else:
-            model.set_slot(key[0], key[1], str(value))
+writes = flag_writes(max_size=6)
 
 
 @settings(max_examples=100, deadline=None)
 @given(writes, writes)
-def test_fails_exactly_when_the_raw_state_changed_and_restores_it(
-    start: list[tuple[Any, Any]], block: list[tuple[Any, Any]]
-) -> None:
+def test_fails_exactly_when_the_raw_state_changed_and_restores_it(start: list[Write], block: list[Write]) -> None:
     model = TorchModel()
     _flags.restore_raw_state(model.raw())
-    apply(model, start)
+    apply_writes(model, start)
     before = model.raw()
     note(f"before: {before}")
     # Whether the block changes the state is known only once the model has seen its writes
     # (they go to torch and the model together), so the outcome is checked either way.
     try:
         with assert_fp32_flags_unchanged():
-            apply(model, block)
+            apply_writes(model, block)
     except AssertionError as error:
         note(str(error))
         assert model.raw() != before
