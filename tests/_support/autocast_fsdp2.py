@@ -64,8 +64,9 @@ class Router(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         precision = current_fp32_precision()
         autocast = torch.is_autocast_enabled("cpu")
-        self.seen.append(f"x {x.dtype} weight {self.lin.weight.dtype} autocast {autocast} {precision}")
+        weight = self.lin.weight.dtype  # a unit of the Linear's own makes it bf16 inside its call only
         out: torch.Tensor = self.lin(x)
+        self.seen.append(f"x {x.dtype} weight {weight} out {out.dtype} autocast {autocast} {precision}")
         return out
 
 
@@ -116,6 +117,15 @@ def _in_bf16_unit(model: Model, wrap: bool) -> None:
         model.router = Fp32ScopedModule(model.router, FULL, autocast=False)  # type: ignore[assignment]
 
 
+def _bf16_unit_inside(model: Model, wrap: bool) -> None:
+    # A unit inside the node, with the bf16 policy: still sharded (float32) when the wrapper is called.
+    shard = sharded.fully_shard_api()
+    assert shard is not None
+    shard(model.router.lin, mp_policy=policy(BF16))
+    if wrap:
+        model.router = Fp32ScopedModule(model.router, FULL, autocast=False)  # type: ignore[assignment]
+
+
 def _own_bf16_unit(model: Model, wrap: bool) -> None:
     # The router is a unit of its own, with the bf16 policy (one policy for every unit).
     shard = sharded.fully_shard_api()
@@ -133,6 +143,7 @@ CONFIGS: dict[str, tuple[Callable[[Model, bool], None], bool]] = {
     "in-bf16-unit": (_in_bf16_unit, False),
     "in-bf16-unit-autocast": (_in_bf16_unit, True),
     "own-bf16-unit": (_own_bf16_unit, False),
+    "bf16-unit-inside": (_bf16_unit_inside, False),
 }
 
 
@@ -160,6 +171,7 @@ def run(name: str, wrap: bool, rank: int) -> dict[str, Any]:
         shard(model, mp_policy=policy(BF16))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         steps: list[list[torch.Tensor]] = []
+        dtypes: list[str] = []
         error = None
         try:
             for x in _batches(rank):
@@ -173,12 +185,13 @@ def run(name: str, wrap: bool, rank: int) -> dict[str, Any]:
                 grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
                 opt.step()
                 steps.append([y.detach(), r.detach(), *grads, *(_local(p) for p in model.parameters())])
+                dtypes = [str(y.dtype), str(r.dtype)]
         except (RuntimeError, Fp32ScopeError) as exc:
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
     fp32scope_warnings = sorted(
         {f"{w.category.__name__}: {w.message}" for w in caught if w.category.__module__ == "fp32scope"}
     )
-    return {"steps": steps, "seen": router.seen, "error": error, "warnings": fp32scope_warnings}
+    return {"steps": steps, "dtypes": dtypes, "seen": router.seen, "error": error, "warnings": fp32scope_warnings}
 
 
 def _compare(got: list[list[torch.Tensor]], expected: list[list[torch.Tensor]]) -> list[bool]:

@@ -188,7 +188,7 @@ def test_fsdp2_example_trains_like_the_unsharded_model(results: dict[str, Any]) 
 # equivalent).
 
 MIXED_FLOAT32_UNIT = [n for n in autocast_fsdp2.CONFIGS if n.startswith("own-fp32-")]
-INSIDE_FLOAT32 = f"x torch.float32 weight torch.float32 autocast False {FULL}"
+INSIDE_FLOAT32 = f"x torch.float32 weight torch.float32 out torch.float32 autocast False {FULL}"
 PARAMETER_WARNING = "Fp32ParameterDtypeWarning: Scoped node 'Router' asks for full float32"
 HOW_TO = "fully_shard(node, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))"
 DTYPE_MISMATCH = "RuntimeError: mat1 and mat2 must have the same dtype, but got Float and BFloat16"
@@ -229,6 +229,8 @@ def test_fsdp2_mixed_precision_float32_unit_matches_the_hand_written_stack(mixed
             assert got[stack]["error"] is None, (rank, stack, got[stack]["error"])
             assert set(got[stack]["seen"]) == {INSIDE_FLOAT32}, (rank, stack, got[stack]["seen"])
             assert got[stack]["warnings"] == [], (rank, stack)
+            # The model's output, and the node's float32 output.
+            assert got[stack]["dtypes"] == ["torch.bfloat16", "torch.float32"], (rank, stack)
 
 
 @pytest.mark.parametrize(
@@ -237,6 +239,7 @@ def test_fsdp2_mixed_precision_float32_unit_matches_the_hand_written_stack(mixed
         ("in-bf16-unit", "its parameter 'lin.weight' is torch.bfloat16 when it runs"),
         ("in-bf16-unit-autocast", "its parameter 'lin.weight' is torch.bfloat16 when it runs"),
         ("own-bf16-unit", "its FSDP2 unit computes with torch.bfloat16 parameters"),
+        ("bf16-unit-inside", "FSDP2 unit 'lin' computes with torch.bfloat16 parameters"),
     ],
 )
 def test_fsdp2_bf16_parameters_of_a_float32_node_warn_once(mixed: dict[str, Any], name: str, source: str) -> None:
@@ -247,8 +250,13 @@ def test_fsdp2_bf16_parameters_of_a_float32_node_warn_once(mixed: dict[str, Any]
         assert message.startswith(PARAMETER_WARNING), message
         assert source in message, message
         assert HOW_TO in message, message
-        # What it warns of is what happened: the node computed with bf16 weights.
-        assert all("weight torch.bfloat16" in seen for seen in wrapped["seen"]), wrapped["seen"]
+        # What it warns of is what happened: the node computed in bf16, or (autocast=False
+        # under autocast) its float32 argument met the bf16 weight.
+        if wrapped["error"] is None:
+            assert wrapped["seen"], rank
+            assert all(" out torch.bfloat16 " in seen for seen in wrapped["seen"]), wrapped["seen"]
+        else:
+            assert wrapped["error"] == DTYPE_MISMATCH
         assert got["hand"]["warnings"] == []
 
 
@@ -259,6 +267,8 @@ def test_fsdp2_bf16_parameters_what_each_stack_does(mixed: dict[str, Any]) -> No
         assert got["steps"] == [autocast_fsdp2.STEPS, 0]
         assert got["wrapped"]["error"] is None
         assert got["hand"]["error"] == DTYPE_MISMATCH
+        # The bf16 unit casts its inputs to bf16 too.
+        assert set(got["wrapped"]["seen"]) == {f"x torch.bfloat16 weight torch.bfloat16 out torch.bfloat16 autocast False {FULL}"}
     # Under autocast both cast the input to float32 and fail on the bf16 weight.
     for got in mixed["in-bf16-unit-autocast"]:
         assert got["steps"] == [0, 0]
