@@ -96,7 +96,7 @@ def check_autocast(value: object, *, field: str = "autocast", node: str | None =
 
 
 def asks_full_float32(precision: Fp32Precision | None) -> bool:
-    """Whether ``precision`` asks for full float32: matmul \"highest\" or cuDNN TF32 off."""
+    """Whether ``precision`` asks for full float32: matmul "highest" or cuDNN TF32 off."""
     return precision is not None and (precision.matmul == "highest" or precision.cudnn_allow_tf32 is False)
 
 

@@ -206,8 +206,8 @@ def _compare(got: list[list[torch.Tensor]], expected: list[list[torch.Tensor]]) 
 
 
 def compare(name: str, rank: int) -> dict[str, Any]:
-    wrapped = run(name, True, rank)  # noqa: FBT003
-    hand = run(name, False, rank)  # noqa: FBT003
+    wrapped = run(name, True, rank)
+    hand = run(name, False, rank)
     return {
         "steps": [len(wrapped["steps"]), len(hand["steps"])],
         "equal": _compare(wrapped["steps"], hand["steps"]),

@@ -268,7 +268,9 @@ def test_fsdp2_bf16_parameters_what_each_stack_does(mixed: dict[str, Any]) -> No
         assert got["wrapped"]["error"] is None
         assert got["hand"]["error"] == DTYPE_MISMATCH
         # The bf16 unit casts its inputs to bf16 too.
-        assert set(got["wrapped"]["seen"]) == {f"x torch.bfloat16 weight torch.bfloat16 out torch.bfloat16 autocast False {FULL}"}
+        assert set(got["wrapped"]["seen"]) == {
+            f"x torch.bfloat16 weight torch.bfloat16 out torch.bfloat16 autocast False {FULL}"
+        }
     # Under autocast both cast the input to float32 and fail on the bf16 weight.
     for got in mixed["in-bf16-unit-autocast"]:
         assert got["steps"] == [0, 0]
