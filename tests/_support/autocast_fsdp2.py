@@ -48,9 +48,18 @@ BF16 = torch.bfloat16
 
 
 def policy(param_dtype: torch.dtype) -> Any:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    """FSDP2's ``MixedPrecisionPolicy`` (2.6+: public; 2.4-2.5: composable), bf16 or float32 parameters."""
+    import importlib
 
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for home in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            found = getattr(importlib.import_module(home), "MixedPrecisionPolicy", None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    msg = "this torch has fully_shard but no MixedPrecisionPolicy"
+    raise ImportError(msg)
 
 
 class Router(torch.nn.Module):
