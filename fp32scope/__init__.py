@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         Fp32BackwardNotScopedWarning,
         Fp32EagerFallbackWarning,
         Fp32FlagsChangedWarning,
+        Fp32ParameterDtypeWarning,
         Fp32ScopeError,
     )
     from fp32scope._export import (
@@ -49,6 +50,7 @@ _HOMES = {
     "Fp32BackwardNotScopedWarning": "_errors",
     "Fp32EagerFallbackWarning": "_errors",
     "Fp32FlagsChangedWarning": "_errors",
+    "Fp32ParameterDtypeWarning": "_errors",
     "Fp32ScopeError": "_errors",
     "ScopedAOTIModel": "_export",
     "aoti_compile_and_package": "_export",
@@ -94,6 +96,7 @@ __all__ = [
     "Fp32BackwardNotScopedWarning",
     "Fp32EagerFallbackWarning",
     "Fp32FlagsChangedWarning",
+    "Fp32ParameterDtypeWarning",
     "Fp32Precision",
     "Fp32ScopeError",
     "Fp32ScopedModule",

@@ -41,6 +41,7 @@ from fp32scope._scope import _is_exporting
 __all__ = [
     "AutocastPolicy",
     "any_autocast",
+    "asks_full_float32",
     "check_autocast",
     "cublas_override_message",
     "run_under_autocast",
@@ -94,7 +95,8 @@ def check_autocast(value: object, *, field: str = "autocast", node: str | None =
     raise TypeError(msg)
 
 
-def _asks_full_float32(precision: Fp32Precision | None) -> bool:
+def asks_full_float32(precision: Fp32Precision | None) -> bool:
+    """Whether ``precision`` asks for full float32: matmul "highest" or cuDNN TF32 off."""
     return precision is not None and (precision.matmul == "highest" or precision.cudnn_allow_tf32 is False)
 
 
@@ -111,7 +113,7 @@ class AutocastPolicy:
         self.action: int | None
         if mode is False:
             self.action = _OFF
-        elif mode is None and _asks_full_float32(precision):
+        elif mode is None and asks_full_float32(precision):
             self.action = _WARN
         else:
             self.action = None

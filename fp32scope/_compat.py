@@ -33,6 +33,7 @@ __all__ = [
     "active_callback",
     "aoti_packaging_missing",
     "cpu_capability",
+    "fsdp2_param_dtype",
     "is_exporting",
 ]
 
@@ -185,6 +186,28 @@ def _export_holds_autocast_regions() -> bool:
 #: inside the exported code) as a ``wrap_with_autocast`` higher-order op (torch >= 2.5);
 #: torch 2.4's export fails on such a region ("Node arity mismatch").
 EXPORT_HOLDS_AUTOCAST_REGIONS: Final[bool] = _export_holds_autocast_regions()
+
+
+# -- FSDP2 -------------------------------------------------------------------------------
+
+
+def fsdp2_param_dtype(module: object) -> torch.dtype | None:
+    """The ``param_dtype`` of the FSDP2 mixed precision policy of ``module``'s own unit, or None.
+
+    None where ``module`` is no FSDP2 unit (``fully_shard`` not applied to it) or its policy
+    keeps the parameters' dtype. FSDP2 has no public reader of a unit's policy: every release
+    with FSDP2 (2.4+, ``torch.distributed._composable.fsdp`` before 2.6) keeps it on the
+    unit's state as ``_mp_policy``; read by presence, so a release that moves it reads None.
+    """
+    get_state = getattr(module, "_get_fsdp_state", None)
+    if not callable(get_state):
+        return None
+    try:
+        state = get_state()
+    except (AssertionError, RuntimeError, AttributeError):  # a module FSDP2 has not set up
+        return None
+    dtype = getattr(getattr(state, "_mp_policy", None), "param_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 # -- other -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ __all__ = [
     "Fp32BackwardNotScopedWarning",
     "Fp32EagerFallbackWarning",
     "Fp32FlagsChangedWarning",
+    "Fp32ParameterDtypeWarning",
     "Fp32ScopeError",
 ]
 
@@ -69,6 +70,22 @@ class Fp32AutocastWarning(UserWarning):
     ``autocast=False`` to run it in float32 (autocast off inside it, its floating-point
     arguments cast to float32), or with ``autocast=True`` to keep the caller's autocast
     silently.
+    """
+
+
+class Fp32ParameterDtypeWarning(UserWarning):
+    """A scoped node that asks for full float32 runs with bf16 or fp16 parameters.
+
+    The float32 precision flags act on float32 tensors only: a node whose parameters are
+    bfloat16 or float16 when it runs (FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` of
+    the unit that holds them, or parameters cast by hand) computes its matmuls in that
+    dtype whatever its precision says; with ``autocast=False`` under autocast its float32
+    arguments then meet those parameters (a dtype mismatch error). Warned once per
+    :class:`~fp32scope.Fp32ScopedModule`, at its first call, when its precision asks for
+    full float32 (matmul ``"highest"`` or ``cudnn_allow_tf32=False``). Give the node
+    float32 parameters: under FSDP2 a unit of its own with a float32 policy,
+    ``fully_shard(node, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))``,
+    before its parent's ``fully_shard``.
     """
 
 

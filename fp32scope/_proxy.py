@@ -13,9 +13,17 @@ import torch
 import wrapt
 
 from fp32scope import _dynamo_exclude
-from fp32scope._autocast import AutocastPolicy, any_autocast, check_autocast, run_under_autocast, warn_cublas_override
+from fp32scope._autocast import (
+    AutocastPolicy,
+    any_autocast,
+    asks_full_float32,
+    check_autocast,
+    run_under_autocast,
+    warn_cublas_override,
+)
 from fp32scope._backward import call_recorded, grad_enabled, recording_scope
 from fp32scope._node import declared_autocast
+from fp32scope._param_dtype import warn_low_precision_parameters
 from fp32scope._precision import Fp32Precision, check_backward, check_precision
 from fp32scope._scope import fp32_precision_scope, wrapper_scope
 from fp32scope._trampoline import active_callback, compiled_call, trampoline_for
@@ -147,12 +155,17 @@ class Fp32ScopedModule(_ProxyBase):
         # What a call under torch.autocast does (see _autocast).
         self._self_autocast = AutocastPolicy(mode, checked, label)
         warn_cublas_override(checked, label)
+        # Whether the first call still has to check the node's parameter dtypes (see _param_dtype).
+        self._self_check_parameters = asks_full_float32(checked)
         _own_dict(self)  # what ``__dict__`` returns (see there)
 
     # ``self`` is positional-only so that a keyword argument named "self" still reaches
     # the module (wrapt's CallableObjectProxy gets the same by unpacking *args, which costs
     # a list on every call).
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        if self._self_check_parameters:  # the first call of a node asking for full float32
+            self._self_check_parameters = False
+            warn_low_precision_parameters(self.__wrapped__, self._self_precision, self._self_name)
         # Under torch.autocast: warn, or call again with autocast off (one C call outside).
         if any_autocast() and self._self_autocast.action is not None:
             return run_under_autocast(self._self_autocast, self, args, kwargs)

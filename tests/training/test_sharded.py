@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests._support import common, sharded
+from tests._support import autocast_fsdp2, common, sharded
 from tests._support.common import ROOT
 from tests._support.releases import TORCH_RELEASE
 
@@ -176,3 +176,102 @@ def test_fsdp2_example_trains_like_the_unsharded_model(results: dict[str, Any]) 
         assert f"rank {rank}: block backward ran in [{FULL}] (3 steps)" in out
         assert f"rank {rank}: matches the unsharded training at every step: True" in out
         assert f"rank {rank}: flags after training: {DEFAULT}" in out
+
+
+# -- FSDP2 mixed precision with a float32 node (issue 18) --------------------------------------
+#
+# ``tests/_support/autocast_fsdp2.py`` trains the root under
+# ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` with the
+# router wrapped ``Fp32ScopedModule(router, FULL, autocast=False)`` and, as the reference,
+# written by hand: a float32 FSDP2 unit of its own whose module enters the scope, turns
+# autocast off and casts its input (the script's docstring says why that is the faithful
+# equivalent).
+
+MIXED_FLOAT32_UNIT = [n for n in autocast_fsdp2.CONFIGS if n.startswith("own-fp32-")]
+INSIDE_FLOAT32 = f"x torch.float32 weight torch.float32 out torch.float32 autocast False {FULL}"
+PARAMETER_WARNING = "Fp32ParameterDtypeWarning: Scoped node 'Router' asks for full float32"
+HOW_TO = "fully_shard(node, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))"
+DTYPE_MISMATCH = "RuntimeError: mat1 and mat2 must have the same dtype, but got Float and BFloat16"
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    missing = fsdp2_missing_here()
+    if missing is not None:
+        pytest.skip(missing)
+    out = tmp_path_factory.mktemp("mixed") / "results.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(  # noqa: S603
+        [sys.executable, "-m", "tests._support.autocast_fsdp2", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.exists(), f"the FSDP2 mixed precision run wrote nothing (exit {proc.returncode}):\n{proc.stderr}"
+    found: dict[str, Any] = json.loads(out.read_text())
+    for name, ranks in found.items():
+        assert len(ranks) == autocast_fsdp2.WORLD, name
+        for got in ranks:
+            assert "harness-error" not in got, f"{name}: {got.get('harness-error')}"
+    return found
+
+
+@pytest.mark.parametrize("name", MIXED_FLOAT32_UNIT)
+def test_fsdp2_mixed_precision_float32_unit_matches_the_hand_written_stack(mixed: dict[str, Any], name: str) -> None:
+    # Each rank: outputs, local gradient shards and local parameter shards equal, every step.
+    for rank, got in enumerate(mixed[name]):
+        assert got["steps"] == [autocast_fsdp2.STEPS] * 2, (rank, got)
+        assert got["equal"] == [True] * autocast_fsdp2.STEPS, (rank, got["equal"])
+        for stack in ("wrapped", "hand"):
+            assert got[stack]["error"] is None, (rank, stack, got[stack]["error"])
+            assert set(got[stack]["seen"]) == {INSIDE_FLOAT32}, (rank, stack, got[stack]["seen"])
+            assert got[stack]["warnings"] == [], (rank, stack)
+            # The model's output, and the node's float32 output.
+            assert got[stack]["dtypes"] == ["torch.bfloat16", "torch.float32"], (rank, stack)
+
+
+@pytest.mark.parametrize(
+    ("name", "source"),
+    [
+        ("in-bf16-unit", "its parameter 'lin.weight' is torch.bfloat16 when it runs"),
+        ("in-bf16-unit-autocast", "its parameter 'lin.weight' is torch.bfloat16 when it runs"),
+        ("own-bf16-unit", "its FSDP2 unit computes with torch.bfloat16 parameters"),
+        ("bf16-unit-inside", "FSDP2 unit 'lin' computes with torch.bfloat16 parameters"),
+    ],
+)
+def test_fsdp2_bf16_parameters_of_a_float32_node_warn_once(mixed: dict[str, Any], name: str, source: str) -> None:
+    for rank, got in enumerate(mixed[name]):
+        wrapped = got["wrapped"]
+        assert len(wrapped["warnings"]) == 1, (rank, wrapped["warnings"])
+        (message,) = wrapped["warnings"]
+        assert message.startswith(PARAMETER_WARNING), message
+        assert source in message, message
+        assert HOW_TO in message, message
+        # What it warns of is what happened: the node computed in bf16, or (autocast=False
+        # under autocast) its float32 argument met the bf16 weight.
+        if wrapped["error"] is None:
+            assert wrapped["seen"], rank
+            assert all(" out torch.bfloat16 " in seen for seen in wrapped["seen"]), wrapped["seen"]
+        else:
+            assert wrapped["error"] == DTYPE_MISMATCH
+        assert got["hand"]["warnings"] == []
+
+
+def test_fsdp2_bf16_parameters_what_each_stack_does(mixed: dict[str, Any]) -> None:
+    # Measured, and said in the mixed precision guide. Without autocast the wrapper casts
+    # nothing, so the node trains in bf16; the hand-written ``.float()`` meets a bf16 weight.
+    for got in mixed["in-bf16-unit"]:
+        assert got["steps"] == [autocast_fsdp2.STEPS, 0]
+        assert got["wrapped"]["error"] is None
+        assert got["hand"]["error"] == DTYPE_MISMATCH
+        # The bf16 unit casts its inputs to bf16 too.
+        assert set(got["wrapped"]["seen"]) == {
+            f"x torch.bfloat16 weight torch.bfloat16 out torch.bfloat16 autocast False {FULL}"
+        }
+    # Under autocast both cast the input to float32 and fail on the bf16 weight.
+    for got in mixed["in-bf16-unit-autocast"]:
+        assert got["steps"] == [0, 0]
+        assert got["wrapped"]["error"] == got["hand"]["error"] == DTYPE_MISMATCH

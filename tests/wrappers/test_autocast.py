@@ -26,6 +26,7 @@ from torch._dynamo.backends.debugging import aot_eager
 
 from fp32scope import (
     Fp32AutocastWarning,
+    Fp32ParameterDtypeWarning,
     Fp32Precision,
     Fp32ScopedModule,
     _autocast,
@@ -356,6 +357,68 @@ def test_a_node_called_twice_in_one_autocast_region_trains_like_the_bare_node_wi
         # sums them in bf16 before the cast back, the scoped node in float32 after it.
         torch.testing.assert_close(wrapped.weight.grad, bare.weight.grad, rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(wrapped.bias.grad, bare.bias.grad, rtol=1e-2, atol=1e-2)
+
+
+# -- a node whose parameters are not float32 (FSDP2's param_dtype, or a cast) ----------------
+# FSDP2 itself: tests/training/test_sharded.py (the unit's policy, and bf16 parameters of a
+# node inside a bf16 unit).
+
+
+def parameter_warnings(node: Any, x: torch.Tensor, calls: int = 2) -> list[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(calls):
+            node(x)
+    return [w for w in caught if issubclass(w.category, Fp32ParameterDtypeWarning)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_node_with_reduced_precision_parameters_warns_once(dtype: torch.dtype) -> None:
+    router = Router().to(dtype)
+    caught = parameter_warnings(Fp32ScopedModule(router, FULL, name="router"), torch.ones(2, 16, dtype=dtype))
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert message.startswith(f"Scoped node 'router' asks for full float32 ({FULL}) but its parameter 'lin.weight'")
+    assert f"its matmuls run in {dtype}" in message
+    assert "fully_shard(node, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))" in message
+    assert caught[0].filename == __file__
+    # Per wrapper, as the autocast warning: another wrapper of the module warns again.
+    assert len(parameter_warnings(Fp32ScopedModule(router, FULL), torch.ones(2, 16, dtype=dtype))) == 1
+
+
+def test_the_warning_comes_before_the_dtype_error_of_autocast_false() -> None:
+    node = Fp32ScopedModule(Router().to(BF16), FULL, name="router", autocast=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast("cpu", dtype=BF16), pytest.raises(RuntimeError, match="same dtype"):
+            node(torch.ones(2, 16))
+    assert [w.category for w in caught] == [Fp32ParameterDtypeWarning]
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"),
+    [
+        (FULL, torch.float32),
+        (FULL, torch.float64),
+        (Fp32Precision("high", True), torch.bfloat16),
+        (Fp32Precision("medium"), torch.bfloat16),
+        (None, torch.bfloat16),
+    ],
+)
+def test_no_parameter_warning_for_float32_parameters_or_reduced_precision(
+    precision: Fp32Precision | None, dtype: torch.dtype
+) -> None:
+    node = Fp32ScopedModule(Router().to(dtype), precision)
+    assert parameter_warnings(node, torch.ones(2, 16, dtype=dtype)) == []
+
+
+def test_parameters_are_checked_at_the_first_call_only() -> None:
+    # The check costs one attribute read after the first call; what changes later is not seen.
+    router = Router()
+    node = Fp32ScopedModule(router, FULL)
+    assert parameter_warnings(node, torch.ones(2, 16), calls=1) == []
+    router.to(BF16)
+    assert parameter_warnings(node, torch.ones(2, 16, dtype=BF16)) == []
 
 
 # -- arguments and declarations ---------------------------------------------------------
