@@ -64,6 +64,7 @@ _functorch_level = torch._C._functorch.maybe_current_level
 # The base of every Python autograd node (custom Functions, AOTAutograd's compiled ones);
 # torch's own nodes are C++ ones.
 _PythonNode = torch._C._FunctionBase
+_will_execute = torch._C._will_engine_execute_node
 
 #: Whether the running backward retains its graph (torch >= 2.5); None: the gate node tells.
 _keep_graph: Callable[[], bool] | None = CURRENT_GRAPH_TASK_KEEPS_GRAPH
@@ -182,26 +183,47 @@ def _scoped_backward(
     return leaves.for_boundary(computed, len(inputs))
 
 
+def _needed(node: Any) -> bool:
+    # Whether the caller's backward needs this leaf's gradient: it runs the leaf's
+    # AccumulateGrad node, or captures its gradient (then torch raises).
+    try:
+        return bool(_will_execute(node))
+    except RuntimeError:
+        return True
+
+
 def _direct_backward(
     state: _State, outs: tuple[torch.Tensor, ...], gs: tuple[torch.Tensor, ...], keep: bool
 ) -> list[torch.Tensor | None] | tuple[torch.Tensor | None, ...]:
-    """Run the call's subgraph from ``outs`` in its scope; every leaf's gradient goes back.
+    """Run the call's subgraph from ``outs`` in its scope; the leaves' gradients go back.
 
     For a subgraph of torch's own nodes only: nothing in it reads a leaf's ``.grad`` while
     it runs, so the caller's engine accumulates the leaves when the boundary hands their
     gradients back, as it would have a moment earlier without the boundary (the same
     ``AccumulateGrad`` node, its hooks, its stealing of the buffer). The nested engine runs
     the tensor hooks of a leaf it captures; the caller's engine runs them again, so they
-    are muted here.
+    are muted here. A leaf the caller's backward does not need (``autograd.grad`` or
+    ``backward(inputs=...)`` without it) is left out, as the caller's engine leaves it out.
     """
     inputs = state.inner_inputs
-    muted = mute_tensor_hooks(inputs, state.leaf_nodes)
+    nodes = state.leaf_nodes
+    needed = [i for i, node in enumerate(nodes) if node is None or _needed(node)]
+    if not needed:
+        return [None] * len(inputs)
+    engine_inputs = inputs if len(needed) == len(inputs) else [inputs[i] for i in needed]
+    muted = mute_tensor_hooks(inputs, nodes)
     try:
         with state.scope():
-            return engine_grad(outs, tuple(inputs), gs, keep=keep)  # type: ignore[no-any-return]
+            computed = engine_grad(outs, tuple(engine_inputs), gs, keep=keep)
     finally:
         if muted:
             unmute(muted)
+    if engine_inputs is inputs:
+        return computed  # type: ignore[no-any-return]
+    result: list[torch.Tensor | None] = [None] * len(inputs)
+    for i, grad in zip(needed, computed, strict=True):
+        result[i] = grad
+    return result
 
 
 class Fp32ScopedCall(torch.autograd.Function):

@@ -150,3 +150,59 @@ def test_a_stolen_gradient_is_accumulated_into_in_place_on_the_next_step() -> No
     torch.autograd.backward(node(x).sum())
     assert model.weight.grad.data_ptr() == ptr
     torch.testing.assert_close(model.weight.grad, 2 * first)
+
+
+class CountOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The names of the ops that run while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.names: list[str] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("how", ["grad", "backward-inputs"])
+@pytest.mark.parametrize("python_node", [False, True], ids=["torch-nodes-only", "python-node-inside"])
+def test_a_backward_that_needs_only_the_input_computes_what_the_bare_one_computes(how: str, python_node: bool) -> None:
+    # The parameters' gradients are not asked for: the node's backward leaves them out,
+    # as torch's engine does (no matmul for the weight's gradient).
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(_ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(_ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return grad
+
+    def block(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        def call(h: torch.Tensor) -> torch.Tensor:
+            if python_node:
+                h = Identity.apply(h)  # type: ignore[no-untyped-call]
+            return torch.tanh(linear(h))
+
+        return call
+
+    def backward_ops(node: Callable[[torch.Tensor], torch.Tensor], linear: torch.nn.Linear) -> list[str]:
+        x = torch.randn(4, 16, requires_grad=True)
+        loss = node(x * 2).square().sum()
+        with CountOps() as mode:
+            if how == "grad":
+                torch.autograd.grad(loss, [x])
+            else:
+                torch.autograd.backward(loss, inputs=[x])
+        assert linear.weight.grad is None
+        return sorted(mode.names)
+
+    torch.manual_seed(0)
+    bare = torch.nn.Linear(16, 16)
+    scoped = torch.nn.Linear(16, 16)
+    expected = backward_ops(block(bare), bare)
+    got = backward_ops(with_fp32_precision(FULL)(block(scoped)), scoped)
+    assert got == expected
+    assert "mm" in expected  # the input's gradient is a matmul; the weight's would be one more
