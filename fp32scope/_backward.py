@@ -206,12 +206,20 @@ def _direct_backward(
     ``backward(inputs=...)`` without it) is left out, as the caller's engine leaves it out.
     """
     inputs = state.inner_inputs
-    nodes = state.leaf_nodes
-    needed = [i for i, node in enumerate(nodes) if node is None or _needed(node)]
+    needed: list[int] = []
+    muted: list[tuple[Any, list[Any]]] = []
+    for i, (leaf, node) in enumerate(zip(inputs, state.leaf_nodes, strict=True)):
+        if node is None:  # an argument's alias: its gradient continues in the caller's graph
+            needed.append(i)
+        elif _needed(node):
+            needed.append(i)
+            hooks = leaf._backward_hooks
+            if hooks:  # the caller's engine runs them
+                muted.append((hooks, list(hooks.items())))
+                hooks.clear()
     if not needed:
         return [None] * len(inputs)
     engine_inputs = inputs if len(needed) == len(inputs) else [inputs[i] for i in needed]
-    muted = mute_tensor_hooks(inputs, nodes)
     try:
         with state.scope():
             computed = engine_grad(outs, tuple(engine_inputs), gs, keep=keep)
@@ -246,12 +254,18 @@ class Fp32ScopedCall(torch.autograd.Function):
         outputs = state.inner_outputs
         if outputs is None:
             raise RuntimeError(_BACKWARD_TWICE.format(name=state.name))
-        used = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
-        if not used:
-            return (None, *([None] * len(state.inner_inputs)))
-        outs = tuple(o for o, _ in used)
-        gs = tuple(g for _, g in used)
-        if torch.is_grad_enabled():  # create_graph=True: record the gradient computation too
+        if len(grads) == 1:  # the usual node: one output
+            if grads[0] is None:
+                return (None, *([None] * len(state.inner_inputs)))
+            outs: tuple[torch.Tensor, ...] = (outputs[0],)
+            gs: tuple[torch.Tensor, ...] = grads  # type: ignore[assignment]
+        else:
+            used = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
+            if not used:
+                return (None, *([None] * len(state.inner_inputs)))
+            outs = tuple(o for o, _ in used)
+            gs = tuple(g for _, g in used)
+        if grad_enabled():  # create_graph=True: record the gradient computation too
             inputs = state.inner_inputs
 
             def grad_create_graph(*gs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -505,8 +519,11 @@ def call_recorded(  # noqa: C901, PLR0912, PLR0913, PLR0915  (one flat pass: run
     if _functorch_level() is not None:
         return _call_in_transform(scope, owner, fn, args, kwargs)
     leaf_map = {} if leaf_map is None else dict(leaf_map)
-    if args or kwargs:
-        args, kwargs = _cut_arguments(args, kwargs, leaf_map)
+    if kwargs or len(args) != 1 or type(args[0]) is not _Tensor:
+        if args or kwargs:
+            args, kwargs = _cut_arguments(args, kwargs, leaf_map)
+    elif args[0].grad_fn is not None and args[0].requires_grad:  # the usual call: one tensor
+        args = (_cut(args[0], {}, leaf_map),)
     if start is None:
         start = _sequence_nr()
     try:  # (not a helper function: this runs on every call in grad mode)
