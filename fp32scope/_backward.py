@@ -435,6 +435,13 @@ def _is_leaf_cast(node: Any) -> bool:
     )
 
 
+def _hands_back(node: Any) -> bool:
+    # A Python node that reads no .grad: a scoped node inside that hands its leaves'
+    # gradients back itself, or its gate (torch < 2.5).
+    cls = node._forward_cls
+    return (cls is Fp32ScopedCall and bool(node.state.direct)) or cls is Fp32ScopedCallGate
+
+
 def _subgraph_leaves(roots: list[Any], start: int) -> tuple[dict[int, tuple[torch.Tensor, Any]], _Walk]:
     """The leaves where the call's subgraph ends, each with its AccumulateGrad node.
 
@@ -453,13 +460,7 @@ def _subgraph_leaves(roots: list[Any], start: int) -> tuple[dict[int, tuple[torc
         if node in seen:
             continue
         seen.add(node)
-        if (
-            walk.direct
-            and isinstance(node, _PythonNode)
-            and not (
-                node._forward_cls is Fp32ScopedCall and node.state.direct  # type: ignore[attr-defined]
-            )
-        ):
+        if walk.direct and isinstance(node, _PythonNode) and not _hands_back(node):
             walk.direct = False
         for nxt, _ in node.next_functions:
             if nxt is None:
