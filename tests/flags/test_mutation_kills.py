@@ -7,6 +7,7 @@ module-level functions the package itself calls), not through line details.
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 
@@ -119,6 +120,40 @@ def test_a_scope_whose_apply_is_interrupted_releases_the_thread(monkeypatch: pyt
     thread.start()
     thread.join(10)
     assert errors == []
+    assert _scope.active_scope_thread() is None
+
+
+@pytest.mark.parametrize("implementation", ["in use", "legacy"])
+@pytest.mark.parametrize("start", ["highest", "medium"])
+def test_an_interrupt_at_torchs_cudnn_setter_leaves_the_matmul_field_as_it_was(
+    start: str, implementation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The scope writes the matmul field first, then cuDNN's. An interrupt (a signal, a
+    # KeyboardInterrupt) arriving just as torch's cuDNN setter is called ends the scope's
+    # entry there: the matmul field written already must be undone. Python's profiler hook
+    # raises it at that call (the hook runs before any builtin it is told of).
+    set_process_default(Fp32Precision(start, True))  # type: ignore[arg-type]
+    before = _flags.save_raw_state()
+    if implementation == "legacy":  # as on torch < 2.9 (where it is the one in use anyway)
+        monkeypatch.setattr(_scope, "_apply", _flags.legacy_apply)
+        monkeypatch.setattr(_scope, "_restore", _flags.legacy_restore)
+    setter = torch._C._set_cudnn_allow_tf32
+
+    def interrupt_at_the_setter(_frame: object, event: str, arg: object) -> None:
+        if event == "c_call" and arg is setter:
+            raise Interrupted
+
+    outer = sys.getprofile()
+    sys.setprofile(interrupt_at_the_setter)
+    try:
+        with pytest.raises(Interrupted), fp32_precision_scope(Fp32Precision("high", False)):
+            pytest.fail("the block ran although applying the precision failed")
+    finally:
+        sys.setprofile(outer)
+    if implementation == "in use":
+        assert _flags.save_raw_state() == before
+    assert torch.get_float32_matmul_precision() == start
+    assert torch.backends.cudnn.allow_tf32 is True
     assert _scope.active_scope_thread() is None
 
 

@@ -105,6 +105,9 @@ def _run(wrap: Callable[[Block], Callable[[torch.Tensor], torch.Tensor]], how: s
         elif how == "grad":
             grads = torch.autograd.grad(loss, [*block.linear.parameters(), x])
             log.append(("grads", [_value(g) for g in grads]))
+        elif how == "grad-create-graph":  # the gradient computation recorded too
+            grads = torch.autograd.grad(loss, [*block.linear.parameters(), x], create_graph=True)
+            log.append(("grads", [_value(g) for g in grads]))
         elif how == "grad-input-only":
             (gx,) = torch.autograd.grad(loss, [x])
             log.append(("grads", [_value(gx), *(_value(p.grad) for p in block.parameters())]))
@@ -147,12 +150,23 @@ WRAPS: dict[str, Callable[[Block], Callable[[torch.Tensor], torch.Tensor]]] = {
 
 
 @pytest.mark.parametrize("wrap", sorted(WRAPS))
-@pytest.mark.parametrize("how", ["backward", "grad", "grad-input-only", "backward-inputs"])
+@pytest.mark.parametrize("how", ["backward", "grad", "grad-create-graph", "grad-input-only", "backward-inputs"])
 @pytest.mark.parametrize("modifying", [False, True], ids=["observing", "modifying"])
 def test_every_hook_fires_once_with_what_it_sees_unwrapped(wrap: str, how: str, modifying: bool) -> None:
     expected = _run(lambda b: b, how, modifying=modifying)
     got = _run(WRAPS[wrap], how, modifying=modifying)
     _assert_same(got, expected)
+
+
+@pytest.mark.parametrize("wrap", ["proxy", "nested"])
+def test_every_hook_fires_once_after_the_engine_is_probed_again(wrap: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Whether the caller's engine fires post-accumulate-grad hooks for a None gradient is
+    # found out once per process, inside the first scoped backward; found out again here.
+    monkeypatch.setattr(_leaf_grads, "_outer_fires_post_hooks", [])
+    expected = _run(lambda b: b, "backward", modifying=False)
+    got = _run(WRAPS[wrap], "backward", modifying=False)
+    _assert_same(got, expected)
+    assert len(_leaf_grads._outer_fires_post_hooks) == 1
 
 
 def test_a_reader_inside_the_node_sees_the_gradients_accumulated() -> None:
