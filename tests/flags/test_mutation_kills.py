@@ -18,6 +18,7 @@ from fp32scope import (
     Fp32FlagsChangedWarning,
     Fp32Precision,
     Fp32ScopeError,
+    _compat,
     _flags,
     _scope,
     fp32_precision_scope,
@@ -26,6 +27,7 @@ from fp32scope import (
     with_fp32_precision,
 )
 from fp32scope._precision import MATMUL_PRECISIONS
+from tests._support.releases import needs_no_bfx9
 
 
 @pytest.mark.parametrize(
@@ -49,6 +51,27 @@ def test_an_error_without_a_node_starts_with_the_argument_alone() -> None:
     with pytest.raises(TypeError, match="must be True") as cudnn:
         set_process_default(Fp32Precision(None, "yes"))  # type: ignore[arg-type]
     assert str(cudnn.value) == "precision.cudnn_allow_tf32 must be True, False or None; got 'yes' of type str."
+
+
+@pytest.mark.parametrize("word", ["bf16x9", "BF16_X9"])
+def test_bf16x9_gets_torchs_word_for_it(word: str) -> None:
+    with pytest.raises(ValueError, match="must be one of") as caught:
+        fp32_precision_scope(Fp32Precision(word))  # type: ignore[arg-type]
+    assert str(caught.value).endswith(f"got {word!r} (torch's word for {word!r} is 'bfx9').")
+
+
+@needs_no_bfx9
+def test_bfx9_on_a_torch_without_it_says_what_to_do_in_full() -> None:
+    class Head(torch.nn.Linear):
+        float32_matmul_precision = "bfx9"
+
+    with pytest.raises(ValueError, match="bfx9") as caught:
+        node_fp32_precision("head", Head(2, 2))
+    assert str(caught.value) == (
+        "float32_matmul_precision of node 'head' is 'bfx9' (cuBLAS float32 emulated with nine bf16 products), "
+        f"which torch {_compat.TORCH_RELEASE} does not have: it came in torch {_compat.BFX9_RELEASE}. "
+        "Upgrade torch, or use 'highest' for full float32."
+    )
 
 
 def test_argument_errors_name_the_argument_and_the_value_type() -> None:
