@@ -240,3 +240,29 @@ def test_a_hook_removed_after_a_scoped_backward_stays_removed() -> None:
     handle.remove()
     torch.autograd.backward(node(x * 2).sum())
     assert calls == [1]
+
+
+@pytest.mark.parametrize("create_graph", [False, True], ids=["backward", "create-graph"])
+def test_a_hook_the_node_puts_on_its_argument_fires_once(create_graph: bool) -> None:
+    # Inside a scoped node the argument is the node's own alias of the caller's tensor; a
+    # tensor hook the node registers there still sees the argument's gradient, once.
+    def run(wrap: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(8, 8)
+        seen: list[torch.Tensor] = []
+
+        def node(h: torch.Tensor) -> torch.Tensor:
+            h.register_hook(lambda g: seen.append(g.detach().clone()))  # type: ignore[no-untyped-call]
+            return torch.tanh(linear(h))
+
+        x = torch.randn(4, 8, requires_grad=True)
+        fn = with_fp32_precision(SAME)(node) if wrap else node
+        loss = fn(x * 2).pow(2).sum()
+        torch.autograd.grad(loss, [x, *linear.parameters()], create_graph=create_graph)
+        return seen
+
+    expected = run(wrap=False)
+    got = run(wrap=True)
+    assert len(expected) == 1
+    assert len(got) == 1
+    torch.testing.assert_close(got[0], expected[0])
