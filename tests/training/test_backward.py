@@ -31,6 +31,7 @@ from fp32scope import (
     current_fp32_precision,
     fp32_precision_scope,
     set_process_default,
+    trace,
     with_fp32_precision,
 )
 from tests._support import probe as probes
@@ -484,6 +485,14 @@ def test_property_backward_brackets_the_node_exactly(
 
 
 # -- graphs with several nodes --------------------------------------------------------------
+
+
+def test_the_trace_names_each_phase_of_a_scoped_call() -> None:
+    head = Fp32ScopedModule(torch.nn.Linear(3, 2), FULL, name="head")
+    x = torch.ones(2, 3, requires_grad=True)
+    with trace() as events:
+        torch.autograd.backward(head(x).sum())
+    assert [(e.name, e.phase) for e in events] == [("head", "forward"), ("head", "backward")]
 
 
 def test_a_scope_around_backward_nests() -> None:

@@ -174,6 +174,7 @@ class _MakeGrad(torch.autograd.Function):
 # a size-2 dimension with a gap; the gradient like the leaf, contiguous, or with a stride 0.
 _LAYOUTS = {
     "contiguous": ((4, 4), (4, 1), (4, 1)),
+    "contiguous, gradient column-major": ((4, 4), (4, 1), (1, 4)),
     "contiguous, gradient with an odd stride in a size-1 dimension": ((4, 1, 4), (4, 4, 1), (4, 7, 1)),
     "contiguous, gradient with stride 0 in a size-1 dimension": ((4, 1, 4), (4, 4, 1), (4, 0, 1)),
     "transposed": ((4, 4), (1, 4), (1, 4)),
