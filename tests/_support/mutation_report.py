@@ -80,7 +80,10 @@ def rerun_survivors() -> None:
     """
     statuses = results()
     explained, _ = explain(statuses, equivalents())
-    survivors = [name for name, status in statuses.items() if status == "survived" and name not in explained]
+    # "no tests" too: a test added since the full run may reach the mutated function now.
+    survivors = [
+        name for name, status in statuses.items() if status in {"survived", "no tests"} and name not in explained
+    ]
     if survivors:
         print(f"mutation_report: running the {len(survivors)} survivors again by name", flush=True)
         # One at a time: a verdict that depends on what ran beside it is no verdict.
