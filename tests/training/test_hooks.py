@@ -253,6 +253,9 @@ def test_a_hook_the_node_puts_on_its_argument_fires_once(create_graph: bool) -> 
 
         def node(h: torch.Tensor) -> torch.Tensor:
             h.register_hook(lambda g: seen.append(g.detach().clone()))  # type: ignore[no-untyped-call]
+            # A Python autograd node inside, as the other tests here have: the leaves are then
+            # accumulated inside the nested engine (fp32scope._leaf_grads).
+            h = _ReadGradAfter.apply(h, [], list(linear.parameters()))  # type: ignore[no-untyped-call]
             return torch.tanh(linear(h))
 
         x = torch.randn(4, 8, requires_grad=True)
