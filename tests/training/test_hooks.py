@@ -269,3 +269,23 @@ def test_a_hook_the_node_puts_on_its_argument_fires_once(create_graph: bool) -> 
     assert len(expected) == 1
     assert len(got) == 1
     torch.testing.assert_close(got[0], expected[0])
+
+
+def test_hooks_registered_before_and_after_a_scoped_backward_all_fire() -> None:
+    # The scoped backward adds (and removes) a temporary hook under a key from torch's own
+    # handle counter: a hook registered afterwards must get a key of its own, not an old one.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 8)
+    calls: list[str] = []
+    linear.weight.register_hook(lambda g: calls.append("before"))  # type: ignore[no-untyped-call]
+    log: Log = []
+    block = Block(log)
+    block.linear = linear
+    node = Fp32ScopedModule(block, SAME)
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.autograd.backward(node(x * 2).sum())
+    assert calls == ["before"]
+    linear.weight.register_hook(lambda g: calls.append("after"))  # type: ignore[no-untyped-call]
+    calls.clear()
+    torch.autograd.backward(node(x * 2).sum())
+    assert sorted(calls) == ["after", "before"]
