@@ -495,6 +495,23 @@ def test_the_trace_names_each_phase_of_a_scoped_call() -> None:
     assert [(e.name, e.phase) for e in events] == [("head", "forward"), ("head", "backward")]
 
 
+def test_the_profiler_range_of_a_scoped_call_ends_with_the_call() -> None:
+    from fp32scope import _trace
+
+    head = Fp32ScopedModule(torch.nn.Linear(3, 2), FULL, name="head")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.autograd.backward(head(torch.ones(2, 3, requires_grad=True)).sum())
+        assert _trace.open_ranges == []  # each range the calls opened is closed
+        torch.ones(2).mul(3)  # after the calls: in no range of theirs
+    ranges = [e for e in prof.events() if e.name.startswith("fp32scope head")]
+    assert [e.name for e in ranges] == [
+        "fp32scope head forward highest/cudnn-fp32",
+        "fp32scope head backward highest/cudnn-fp32",
+    ]
+    for scoped in ranges:
+        assert not any(child.name == "aten::mul" for child in scoped.cpu_children)
+
+
 def test_a_scope_around_backward_nests() -> None:
     node = Fp32ScopedModule(Node(), FULL)
     loss = step(node, torch.randn(4, 8, requires_grad=True))
