@@ -175,5 +175,8 @@ def mutation(session: nox.Session, torch: str) -> None:
     ``mutmut run`` (``--max-children N``, or mutant names to rerun).
     """
     install(session, torch, "mutation")
-    session.run("mutmut", "run", *session.posargs)
-    session.run("python", "tests/_support/mutation_report.py", "--rerun-survivors")
+    # One OpenMP thread: mutmut forks each mutant's run, and a fork of a process whose
+    # OpenMP pool has run hangs at its first parallel kernel (tests/_support/mutation_plugin.py).
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    session.run("mutmut", "run", *session.posargs, env=one_thread)
+    session.run("python", "tests/_support/mutation_report.py", "--rerun-survivors", env=one_thread)

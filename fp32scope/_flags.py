@@ -456,10 +456,15 @@ def legacy_apply(t: str | None, b: bool | None) -> Token:
             sm = (e, "", "")
     sc: CudnnSaved | None = None
     if b is not None:
-        cur: bool = _GB()
-        if cur is not b:
-            _SB(b)
-            sc = (cur, "", "", None, None)
+        try:
+            cur: bool = _GB()
+            if cur is not b:
+                _SB(b)
+                sc = (cur, "", "", None, None)
+        except BaseException:
+            if sm is not None:  # only an interrupt or a torch error gets here: undo the matmul field
+                _SM(sm[0])
+            raise
     return (t, b, sm, sc)
 
 

@@ -1,4 +1,4 @@
-"""Pytest plugin for the mutation session only (``nox -s mutation``): fewer Hypothesis examples.
+"""Pytest plugin for the mutation session only (``nox -s mutation``): fewer Hypothesis examples, one thread.
 
 Each mutant runs every selected test that reaches the mutated function; at the suite's own
 example counts (up to 1000 state-machine runs of 40 steps) one surviving mutant costs
@@ -6,6 +6,11 @@ minutes on a small machine. Under this plugin every Hypothesis test runs at most
 ``MAX_EXAMPLES`` examples, derandomized (the same examples on every run, so that a
 mutant's verdict does not depend on luck), without shrinking and without the example
 database. The regular test sessions never load it: there the full counts run.
+
+torch runs its CPU kernels on one thread here: mutmut forks each mutant's test run from a
+process that ran tests already, and a fork of a process whose OpenMP thread pool has run
+hangs at its first parallel kernel (seen: every mutant reached by a 512-wide matmul
+recorded as a timeout, that is, as killed).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import hypothesis
+import torch
 
 MAX_EXAMPLES = 10
 
@@ -37,3 +43,7 @@ hypothesis.settings.register_profile(
     phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
 )
 hypothesis.settings.load_profile("fp32scope-mutation")
+
+# Before any test runs a kernel: the OpenMP pool is then never started, in the process mutmut
+# forks from or in its children.
+torch.set_num_threads(1)

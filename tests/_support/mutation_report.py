@@ -1,7 +1,8 @@
 """The mutation score and the survivors of the last ``mutmut run`` (``nox -s mutation`` runs it).
 
 Run from the repository root after ``mutmut run``. With ``--rerun-survivors`` it first runs
-every surviving mutant again by name (``mutmut run NAME ...``): mutmut 3.8.1's full run
+every surviving mutant that the equivalents file does not explain again by name
+(``mutmut run NAME ...``): mutmut 3.8.1's full run
 reports as survivors some mutants that their tests kill when the mutant runs by name (seen
 with tests/flags/test_state_machine.py's legacy test, which swaps the implementation in with
 monkeypatch; checked by hand against the mutated source). Then it reads mutmut's results,
@@ -73,8 +74,16 @@ def explain(statuses: dict[str, str], entries: list[tuple[str, str]]) -> tuple[d
 
 
 def rerun_survivors() -> None:
-    """Run every surviving mutant again, by name, so that its verdict is the by-name one."""
-    survivors = [name for name, status in results().items() if status == "survived"]
+    """Run every surviving mutant that counts again, by name, so that its verdict is the by-name one.
+
+    The mutants the equivalents file explains are left out of the score either way.
+    """
+    statuses = results()
+    explained, _ = explain(statuses, equivalents())
+    # "no tests" too: a test added since the full run may reach the mutated function now.
+    survivors = [
+        name for name, status in statuses.items() if status in {"survived", "no tests"} and name not in explained
+    ]
     if survivors:
         print(f"mutation_report: running the {len(survivors)} survivors again by name", flush=True)
         # One at a time: a verdict that depends on what ran beside it is no verdict.

@@ -7,6 +7,7 @@ module-level functions the package itself calls), not through line details.
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 
@@ -17,6 +18,7 @@ from fp32scope import (
     Fp32FlagsChangedWarning,
     Fp32Precision,
     Fp32ScopeError,
+    _compat,
     _flags,
     _scope,
     fp32_precision_scope,
@@ -25,6 +27,7 @@ from fp32scope import (
     with_fp32_precision,
 )
 from fp32scope._precision import MATMUL_PRECISIONS
+from tests._support.releases import needs_no_bfx9
 
 
 @pytest.mark.parametrize(
@@ -48,6 +51,27 @@ def test_an_error_without_a_node_starts_with_the_argument_alone() -> None:
     with pytest.raises(TypeError, match="must be True") as cudnn:
         set_process_default(Fp32Precision(None, "yes"))  # type: ignore[arg-type]
     assert str(cudnn.value) == "precision.cudnn_allow_tf32 must be True, False or None; got 'yes' of type str."
+
+
+@pytest.mark.parametrize("word", ["bf16x9", "BF16_X9"])
+def test_bf16x9_gets_torchs_word_for_it(word: str) -> None:
+    with pytest.raises(ValueError, match="must be one of") as caught:
+        fp32_precision_scope(Fp32Precision(word))  # type: ignore[arg-type]
+    assert str(caught.value).endswith(f"got {word!r} (torch's word for {word!r} is 'bfx9').")
+
+
+@needs_no_bfx9
+def test_bfx9_on_a_torch_without_it_says_what_to_do_in_full() -> None:
+    class Head(torch.nn.Linear):
+        float32_matmul_precision = "bfx9"
+
+    with pytest.raises(ValueError, match="bfx9") as caught:
+        node_fp32_precision("head", Head(2, 2))
+    assert str(caught.value) == (
+        "float32_matmul_precision of node 'head' is 'bfx9' (cuBLAS float32 emulated with nine bf16 products), "
+        f"which torch {_compat.TORCH_RELEASE} does not have: it came in torch {_compat.BFX9_RELEASE}. "
+        "Upgrade torch, or use 'highest' for full float32."
+    )
 
 
 def test_argument_errors_name_the_argument_and_the_value_type() -> None:
@@ -119,6 +143,40 @@ def test_a_scope_whose_apply_is_interrupted_releases_the_thread(monkeypatch: pyt
     thread.start()
     thread.join(10)
     assert errors == []
+    assert _scope.active_scope_thread() is None
+
+
+@pytest.mark.parametrize("implementation", ["in use", "legacy"])
+@pytest.mark.parametrize("start", ["highest", "medium"])
+def test_an_interrupt_at_torchs_cudnn_setter_leaves_the_matmul_field_as_it_was(
+    start: str, implementation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The scope writes the matmul field first, then cuDNN's. An interrupt (a signal, a
+    # KeyboardInterrupt) arriving just as torch's cuDNN setter is called ends the scope's
+    # entry there: the matmul field written already must be undone. Python's profiler hook
+    # raises it at that call (the hook runs before any builtin it is told of).
+    set_process_default(Fp32Precision(start, True))  # type: ignore[arg-type]
+    before = _flags.save_raw_state()
+    if implementation == "legacy":  # as on torch < 2.9 (where it is the one in use anyway)
+        monkeypatch.setattr(_scope, "_apply", _flags.legacy_apply)
+        monkeypatch.setattr(_scope, "_restore", _flags.legacy_restore)
+    setter = torch._C._set_cudnn_allow_tf32
+
+    def interrupt_at_the_setter(_frame: object, event: str, arg: object) -> None:
+        if event == "c_call" and arg is setter:
+            raise Interrupted
+
+    outer = sys.getprofile()
+    sys.setprofile(interrupt_at_the_setter)
+    try:
+        with pytest.raises(Interrupted), fp32_precision_scope(Fp32Precision("high", False)):
+            pytest.fail("the block ran although applying the precision failed")
+    finally:
+        sys.setprofile(outer)
+    if implementation == "in use":
+        assert _flags.save_raw_state() == before
+    assert torch.get_float32_matmul_precision() == start
+    assert torch.backends.cudnn.allow_tf32 is True
     assert _scope.active_scope_thread() is None
 
 

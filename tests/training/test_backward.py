@@ -31,6 +31,7 @@ from fp32scope import (
     current_fp32_precision,
     fp32_precision_scope,
     set_process_default,
+    trace,
     with_fp32_precision,
 )
 from tests._support import probe as probes
@@ -484,6 +485,31 @@ def test_property_backward_brackets_the_node_exactly(
 
 
 # -- graphs with several nodes --------------------------------------------------------------
+
+
+def test_the_trace_names_each_phase_of_a_scoped_call() -> None:
+    head = Fp32ScopedModule(torch.nn.Linear(3, 2), FULL, name="head")
+    x = torch.ones(2, 3, requires_grad=True)
+    with trace() as events:
+        torch.autograd.backward(head(x).sum())
+    assert [(e.name, e.phase) for e in events] == [("head", "forward"), ("head", "backward")]
+
+
+def test_the_profiler_range_of_a_scoped_call_ends_with_the_call() -> None:
+    from fp32scope import _trace
+
+    head = Fp32ScopedModule(torch.nn.Linear(3, 2), FULL, name="head")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.autograd.backward(head(torch.ones(2, 3, requires_grad=True)).sum())
+        assert _trace.open_ranges == []  # each range the calls opened is closed
+        torch.ones(2).mul(3)  # after the calls: in no range of theirs
+    ranges = [e for e in prof.events() if e.name.startswith("fp32scope head")]
+    assert [e.name for e in ranges] == [
+        "fp32scope head forward highest/cudnn-fp32",
+        "fp32scope head backward highest/cudnn-fp32",
+    ]
+    for scoped in ranges:
+        assert not any(child.name == "aten::mul" for child in scoped.cpu_children)
 
 
 def test_a_scope_around_backward_nests() -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp32scope import Fp32ScopedModule, set_process_default, with_fp32_precision
+from fp32scope import Fp32ScopedModule, _leaf_grads, set_process_default, with_fp32_precision
 from tests._support.common import FULL
 
 _COPIES = {"copy_", "clone", "_to_copy", "copy"}
@@ -206,3 +206,95 @@ def test_a_backward_that_needs_only_the_input_computes_what_the_bare_one_compute
     got = backward_ops(with_fp32_precision(FULL)(block(scoped)), scoped)
     assert got == expected
     assert "mm" in expected  # the input's gradient is a matmul; the weight's would be one more
+
+
+class _MakeGrad(torch.autograd.Function):
+    """Identity; its backward hands on a gradient with the strides it is given."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, strides: tuple[int, ...], made: list[Any], keep: bool) -> torch.Tensor:
+        ctx.strides = strides
+        ctx.made = made
+        ctx.keep = keep
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        out = torch.empty_strided(grad.shape, ctx.strides).copy_(grad * 2)
+        ctx.made.append(out if ctx.keep else out.data_ptr())  # kept: no longer the engine's alone
+        return out, None, None, None
+
+
+# (leaf shape, leaf strides, gradient strides): dense and contiguous, dense and permuted
+# (two and three dimensions), with gaps (not dense), a size-1 dimension with an odd stride,
+# a size-2 dimension with a gap; the gradient like the leaf, contiguous, or with a stride 0.
+_LAYOUTS = {
+    "contiguous": ((4, 4), (4, 1), (4, 1)),
+    "contiguous, gradient column-major": ((4, 4), (4, 1), (1, 4)),
+    "contiguous, gradient with an odd stride in a size-1 dimension": ((4, 1, 4), (4, 4, 1), (4, 7, 1)),
+    "contiguous, gradient with stride 0 in a size-1 dimension": ((4, 1, 4), (4, 4, 1), (4, 0, 1)),
+    "transposed": ((4, 4), (1, 4), (1, 4)),
+    "transposed, gradient row-major": ((4, 4), (1, 4), (4, 1)),
+    "permuted 3-d": ((3, 4, 5), (1, 15, 3), (1, 15, 3)),
+    "permuted 3-d, gradient row-major": ((3, 4, 5), (1, 15, 3), (20, 5, 1)),
+    "permuted 3-d, gradient permuted otherwise": ((3, 4, 5), (1, 15, 3), (4, 1, 12)),
+    "with gaps, gradient row-major": ((4, 4), (8, 1), (4, 1)),
+    "with gaps, gradient like the leaf": ((4, 4), (8, 1), (8, 1)),
+    "size-2 dimension with a gap, gradient row-major": ((2, 4), (8, 1), (4, 1)),
+    "transposed with an odd size-1 stride, gradient like the leaf": ((4, 1, 4), (1, 7, 4), (1, 7, 4)),
+    "transposed with an odd size-1 stride, gradient row-major": ((4, 1, 4), (1, 7, 4), (4, 4, 1)),
+}
+
+
+def _steals(
+    scoped: bool, layout: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], *, keep: bool = False
+) -> tuple[bool, torch.Tensor]:
+    shape, leaf_strides, grad_strides = layout
+    torch.manual_seed(0)
+    leaf = torch.empty_strided(shape, leaf_strides).normal_().requires_grad_()
+    made: list[Any] = []
+    x = torch.randn(shape)
+
+    def node(x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _MakeGrad.apply(leaf, grad_strides, made, keep) * x  # type: ignore[no-untyped-call]
+        return out
+
+    fn = with_fp32_precision(FULL)(node) if scoped else node
+    torch.autograd.backward(fn(x).sum())
+    assert leaf.grad is not None
+    made_ptr = made[-1].data_ptr() if keep else made[-1]
+    return leaf.grad.data_ptr() == made_ptr, leaf.grad
+
+
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+def test_the_leaf_gets_the_engines_buffer_exactly_where_torch_steals_it_for_each_layout(layout: str) -> None:
+    # torch's own AccumulateGrad is the oracle: it steals a gradient whose strides obey
+    # the layout contract with the leaf (utils::obeys_layout_contract).
+    bare_stole, bare_grad = _steals(scoped=False, layout=_LAYOUTS[layout])
+    scoped_stole, scoped_grad = _steals(scoped=True, layout=_LAYOUTS[layout])
+    torch.testing.assert_close(scoped_grad, bare_grad)
+    assert scoped_grad.stride() == bare_grad.stride()
+    assert scoped_stole == bare_stole
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_a_gradient_something_else_holds_is_copied_as_torch_copies_it(layout: str) -> None:
+    # No hook on the leaf: only the reference counts tell that the gradient is shared.
+    bare_stole, bare_grad = _steals(scoped=False, layout=_LAYOUTS[layout], keep=True)
+    scoped_stole, scoped_grad = _steals(scoped=True, layout=_LAYOUTS[layout], keep=True)
+    torch.testing.assert_close(scoped_grad, bare_grad)
+    assert not bare_stole  # the control: torch copies a gradient held elsewhere
+    assert not scoped_stole
+
+
+def test_the_counts_measured_afresh_steal_exactly_where_torch_steals(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The counts an unshared gradient shows in the accumulating hook are measured once per
+    # process; measured again here (in this test's process state), they must still tell
+    # torch's stolen gradients from its copied ones.
+    monkeypatch.setattr(_leaf_grads, "_unshared", [])
+    for layout in ("contiguous", "transposed", "with gaps, gradient like the leaf"):
+        for keep in (False, True):
+            bare_stole, _ = _steals(scoped=False, layout=_LAYOUTS[layout], keep=keep)
+            scoped_stole, _ = _steals(scoped=True, layout=_LAYOUTS[layout], keep=keep)
+            assert (layout, keep, scoped_stole) == (layout, keep, bare_stole)
+    assert _leaf_grads._unshared != [()]  # measured, and stealing is on with this torch

@@ -113,6 +113,9 @@ def _run(
         elif how == "grad":
             grads = torch.autograd.grad(loss, [*block.linear.parameters(), x])
             log.append(("grads", [_value(g) for g in grads]))
+        elif how == "grad-create-graph":  # the gradient computation recorded too
+            grads = torch.autograd.grad(loss, [*block.linear.parameters(), x], create_graph=True)
+            log.append(("grads", [_value(g) for g in grads]))
         elif how == "grad-input-only":
             (gx,) = torch.autograd.grad(loss, [x])
             log.append(("grads", [_value(gx), *(_value(p.grad) for p in block.parameters())]))
@@ -155,13 +158,24 @@ WRAPS: dict[str, Callable[[Block], Callable[[torch.Tensor], torch.Tensor]]] = {
 
 
 @pytest.mark.parametrize("wrap", sorted(WRAPS))
-@pytest.mark.parametrize("how", ["backward", "grad", "grad-input-only", "backward-inputs"])
+@pytest.mark.parametrize("how", ["backward", "grad", "grad-create-graph", "grad-input-only", "backward-inputs"])
 @pytest.mark.parametrize("modifying", [False, True], ids=["observing", "modifying"])
 @pytest.mark.parametrize("reader", [True, False], ids=["python-node-inside", "torch-nodes-only"])
 def test_every_hook_fires_once_with_what_it_sees_unwrapped(wrap: str, how: str, modifying: bool, reader: bool) -> None:
     expected = _run(lambda b: b, how, modifying=modifying, reader=reader)
     got = _run(WRAPS[wrap], how, modifying=modifying, reader=reader)
     _assert_same(got, expected)
+
+
+@pytest.mark.parametrize("wrap", ["proxy", "nested"])
+def test_every_hook_fires_once_after_the_engine_is_probed_again(wrap: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Whether the caller's engine fires post-accumulate-grad hooks for a None gradient is
+    # found out once per process, inside the first scoped backward; found out again here.
+    monkeypatch.setattr(_leaf_grads, "_outer_fires_post_hooks", [])
+    expected = _run(lambda b: b, "backward", modifying=False)
+    got = _run(WRAPS[wrap], "backward", modifying=False)
+    _assert_same(got, expected)
+    assert len(_leaf_grads._outer_fires_post_hooks) == 1
 
 
 def test_a_reader_inside_the_node_sees_the_gradients_accumulated() -> None:
@@ -256,3 +270,52 @@ def test_a_hook_removed_after_a_scoped_backward_stays_removed() -> None:
     handle.remove()
     torch.autograd.backward(node(x * 2).sum())
     assert calls == [1]
+
+
+@pytest.mark.parametrize("create_graph", [False, True], ids=["backward", "create-graph"])
+def test_a_hook_the_node_puts_on_its_argument_fires_once(create_graph: bool) -> None:
+    # Inside a scoped node the argument is the node's own alias of the caller's tensor; a
+    # tensor hook the node registers there still sees the argument's gradient, once.
+    def run(wrap: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(8, 8)
+        seen: list[torch.Tensor] = []
+
+        def node(h: torch.Tensor) -> torch.Tensor:
+            h.register_hook(lambda g: seen.append(g.detach().clone()))  # type: ignore[no-untyped-call]
+            # A Python autograd node inside, as the other tests here have: the leaves are then
+            # accumulated inside the nested engine (fp32scope._leaf_grads).
+            h = _ReadGradAfter.apply(h, [], list(linear.parameters()))  # type: ignore[no-untyped-call]
+            return torch.tanh(linear(h))
+
+        x = torch.randn(4, 8, requires_grad=True)
+        fn = with_fp32_precision(SAME)(node) if wrap else node
+        loss = fn(x * 2).pow(2).sum()
+        torch.autograd.grad(loss, [x, *linear.parameters()], create_graph=create_graph)
+        return seen
+
+    expected = run(wrap=False)
+    got = run(wrap=True)
+    assert len(expected) == 1
+    assert len(got) == 1
+    torch.testing.assert_close(got[0], expected[0])
+
+
+def test_hooks_registered_before_and_after_a_scoped_backward_all_fire() -> None:
+    # The scoped backward adds (and removes) a temporary hook under a key from torch's own
+    # handle counter: a hook registered afterwards must get a key of its own, not an old one.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 8)
+    calls: list[str] = []
+    linear.weight.register_hook(lambda g: calls.append("before"))  # type: ignore[no-untyped-call]
+    log: Log = []
+    block = Block(log)
+    block.linear = linear
+    node = Fp32ScopedModule(block, SAME)
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.autograd.backward(node(x * 2).sum())
+    assert calls == ["before"]
+    linear.weight.register_hook(lambda g: calls.append("after"))  # type: ignore[no-untyped-call]
+    calls.clear()
+    torch.autograd.backward(node(x * 2).sum())
+    assert sorted(calls) == ["after", "before"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fp32scope import Fp32Precision, Fp32ScopedModule, node_fp32_precision
@@ -50,3 +51,25 @@ def test_any_object_can_declare() -> None:
             pass
 
     assert node_fp32_precision("fn", Callable()) == Fp32Precision("high", None)
+
+
+class _DeclaresAutocast(torch.nn.Linear):
+    autocast: object = False
+
+
+class _DeclaresAutocastBadly(torch.nn.Linear):
+    autocast: object = "off"
+
+
+def test_a_node_module_declares_its_autocast() -> None:
+    # autocast = False beside the precision: the node runs without the caller's autocast.
+    node = Fp32ScopedModule(_DeclaresAutocast(4, 4), Fp32Precision("highest", False))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert node(torch.ones(2, 4)).dtype == torch.float32
+    with pytest.raises(TypeError) as caught:
+        Fp32ScopedModule(_DeclaresAutocastBadly(4, 4), Fp32Precision("highest", False), name="head")
+    assert str(caught.value) == (
+        "autocast of node 'head' must be False (run the node without the caller's torch.autocast, its "
+        "floating-point arguments cast to float32), True (keep the caller's autocast) or None (keep it, and "
+        "warn if the node asks for full float32); got 'off' of type str."
+    )
