@@ -186,21 +186,6 @@ def test_a_reader_inside_the_node_sees_the_gradients_accumulated() -> None:
     assert all(g is not None for g in readers[0][1])
 
 
-def test_post_accumulate_grad_hook_fires_once_per_step_with_grad_set() -> None:
-    torch.manual_seed(0)
-    linear = torch.nn.Linear(8, 8)
-    seen: list[torch.Tensor | None] = []
-    linear.weight.register_post_accumulate_grad_hook(lambda t: seen.append(_value(t.grad)))  # type: ignore[no-untyped-call]
-    node = Fp32ScopedModule(linear, FULL)
-    x = torch.randn(4, 8, requires_grad=True)
-    for step in range(3):
-        torch.autograd.backward(node(x * 2).sum())
-        assert len(seen) == step + 1
-        assert seen[-1] is not None
-        torch.testing.assert_close(seen[-1], linear.weight.grad)
-        linear.weight.grad = None
-
-
 class _Identity(torch.autograd.Function):
     """A Python node inside the node's subgraph: its leaves are accumulated in the nested engine."""
 
@@ -211,6 +196,31 @@ class _Identity(torch.autograd.Function):
     @staticmethod
     def backward(_ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad
+
+
+@pytest.mark.parametrize("python_node", [False, True], ids=["torch-nodes-only", "python-node-inside"])
+def test_post_accumulate_grad_hook_fires_once_per_step_with_grad_set(python_node: bool) -> None:
+    # With a Python node inside and no tensor hook on the weight, the nested engine hands
+    # the weight its gradient buffer itself: the hook still fires once, in the caller's engine.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 8)
+    seen: list[torch.Tensor | None] = []
+    linear.weight.register_post_accumulate_grad_hook(lambda t: seen.append(_value(t.grad)))  # type: ignore[no-untyped-call]
+
+    def forward(h: torch.Tensor) -> torch.Tensor:
+        if python_node:
+            h = _Identity.apply(h)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = linear(h)
+        return out
+
+    node = with_fp32_precision(FULL)(forward)
+    x = torch.randn(4, 8, requires_grad=True)
+    for step in range(3):
+        torch.autograd.backward(node(x * 2).sum())
+        assert len(seen) == step + 1
+        assert seen[-1] is not None
+        torch.testing.assert_close(seen[-1], linear.weight.grad)
+        linear.weight.grad = None
 
 
 @pytest.mark.parametrize("python_node", [False, True], ids=["torch-nodes-only", "python-node-inside"])
