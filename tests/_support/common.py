@@ -1,8 +1,15 @@
-"""What many test modules share: the repository root, the full-fp32 precision, an error to raise."""
+"""What many test modules share: the repository root, precisions, an error, a Python autograd node, a runner."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from fp32scope import Fp32Precision
 
@@ -25,3 +32,32 @@ ALL = [Fp32Precision(m, c) for m in ("highest", "high", "medium") for c in (True
 
 #: What the package says when a scope is entered inside a region torch.compile traces.
 COMPILING_MESSAGE = "cannot change torch's float32 precision flags inside a region that torch.compile is tracing"
+
+
+class PythonIdentity(torch.autograd.Function):
+    """The identity as a Python autograd node: inside a scoped node, the leaves are accumulated in its nested engine."""
+
+    @staticmethod
+    def forward(_ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(_ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def run_harness(module: str, out: Path, what: str) -> dict[str, Any]:
+    """Run ``python -m module out`` from the repository root (one thread, warnings off); the JSON it wrote."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(  # noqa: S603
+        [sys.executable, "-m", module, str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.exists(), f"the {what} run wrote nothing (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    found: dict[str, Any] = json.loads(out.read_text())
+    return found

@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp32scope import Fp32ScopedModule, _leaf_grads, set_process_default, with_fp32_precision
-from tests._support.common import FULL
+from tests._support.common import FULL, PythonIdentity
 
 _COPIES = {"copy_", "clone", "_to_copy", "copy"}
 
@@ -171,19 +171,10 @@ class CountOps(TorchDispatchMode):  # type: ignore[no-untyped-call]
 def test_a_backward_that_needs_only_the_input_computes_what_the_bare_one_computes(how: str, python_node: bool) -> None:
     # The parameters' gradients are not asked for: the node's backward leaves them out,
     # as torch's engine does (no matmul for the weight's gradient).
-    class Identity(torch.autograd.Function):
-        @staticmethod
-        def forward(_ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(_ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-            return grad
-
     def block(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
         def call(h: torch.Tensor) -> torch.Tensor:
             if python_node:
-                h = Identity.apply(h)  # type: ignore[no-untyped-call]
+                h = PythonIdentity.apply(h)  # type: ignore[no-untyped-call]
             return torch.tanh(linear(h))
 
         return call

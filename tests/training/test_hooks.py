@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from fp32scope import Fp32ScopedModule, _leaf_grads, set_process_default, with_fp32_precision
-from tests._support.common import FULL
+from tests._support.common import FULL, PythonIdentity
 
 # The same numerics on both sides: the comparison is about hooks, not precision.
 SAME = FULL
@@ -186,18 +186,6 @@ def test_a_reader_inside_the_node_sees_the_gradients_accumulated() -> None:
     assert all(g is not None for g in readers[0][1])
 
 
-class _Identity(torch.autograd.Function):
-    """A Python node inside the node's subgraph: its leaves are accumulated in the nested engine."""
-
-    @staticmethod
-    def forward(_ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(_ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
 @pytest.mark.parametrize("python_node", [False, True], ids=["torch-nodes-only", "python-node-inside"])
 def test_post_accumulate_grad_hook_fires_once_per_step_with_grad_set(python_node: bool) -> None:
     # With a Python node inside and no tensor hook on the weight, the nested engine hands
@@ -209,7 +197,7 @@ def test_post_accumulate_grad_hook_fires_once_per_step_with_grad_set(python_node
 
     def forward(h: torch.Tensor) -> torch.Tensor:
         if python_node:
-            h = _Identity.apply(h)  # type: ignore[no-untyped-call]
+            h = PythonIdentity.apply(h)  # type: ignore[no-untyped-call]
         out: torch.Tensor = linear(h)
         return out
 
@@ -239,7 +227,7 @@ def test_a_tied_parameter_gets_both_parts_and_its_accumulation_hooks_fire_once(p
 
     def head(h: torch.Tensor) -> torch.Tensor:
         if python_node:
-            h = _Identity.apply(h)  # type: ignore[no-untyped-call]
+            h = PythonIdentity.apply(h)  # type: ignore[no-untyped-call]
         return h @ weight.t()
 
     def loss_of(node: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
-import os
-import subprocess
 import sys
 from typing import Any
 
 import pytest
 
 from tests._support import autocast_fsdp2, common, sharded
-from tests._support.common import ROOT
+from tests._support.common import run_harness
 from tests._support.releases import TORCH_RELEASE
 
 TOLERANCE = 1e-6  # the reference sums the two ranks' batches in another order: float32 rounding only
@@ -38,20 +35,7 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="gloo over a fil
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("sharded") / "results.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(  # noqa: S603
-        [sys.executable, "-m", "tests._support.sharded", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert out.exists(), f"the sharded run wrote nothing (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    found: dict[str, Any] = json.loads(out.read_text())
-    return found
+    return run_harness("tests._support.sharded", tmp_path_factory.mktemp("sharded") / "results.json", "sharded")
 
 
 def fsdp2_missing_here() -> str | None:
@@ -200,18 +184,7 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if missing is not None:
         pytest.skip(missing)
     out = tmp_path_factory.mktemp("mixed") / "results.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(  # noqa: S603
-        [sys.executable, "-m", "tests._support.autocast_fsdp2", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert out.exists(), f"the FSDP2 mixed precision run wrote nothing (exit {proc.returncode}):\n{proc.stderr}"
-    found: dict[str, Any] = json.loads(out.read_text())
+    found = run_harness("tests._support.autocast_fsdp2", out, "FSDP2 mixed precision")
     for name, ranks in found.items():
         assert len(ranks) == autocast_fsdp2.WORLD, name
         for got in ranks:
