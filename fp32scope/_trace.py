@@ -3,9 +3,10 @@
 Every wrapper scope (the scope of an :class:`~fp32scope.Fp32ScopedModule` or a
 :func:`~fp32scope.with_fp32_precision` function, and the scope a recorded call's backward
 runs in) calls :func:`entered` at the end of its ``__enter__`` while a :func:`trace` is open
-or a profiler records, and :func:`exited` at the start of its ``__exit__`` while a profiler
-range is open. Otherwise each scoped call pays two cheap reads on entry (this module's list
-of open traces, and the Python flag torch's profilers set while they record) and one on exit.
+or a profiler records, and :func:`exited` at the start of its ``__exit__`` while a trace or a
+profiler range is open. Otherwise each scoped call pays two cheap reads on entry (this
+module's list of open traces, and the Python flag torch's profilers set while they record)
+and two on exit (the lists of open ranges and of open traces).
 """
 
 from __future__ import annotations
@@ -24,7 +25,16 @@ from fp32scope._precision import Fp32Precision
 if TYPE_CHECKING:
     from fp32scope._scope import fp32_precision_scope
 
-__all__ = ["Fp32Trace", "Fp32TraceEvent", "entered", "exited", "open_ranges", "open_traces", "profiler_state", "trace"]
+__all__ = [
+    "Fp32Trace",
+    "Fp32TraceEvent",
+    "entered",
+    "exited",
+    "open_ranges",
+    "open_traces",
+    "profiler_state",
+    "trace",
+]
 
 Phase = Literal["forward", "backward"]
 FORWARD: Final = "forward"
@@ -39,7 +49,9 @@ class Fp32TraceEvent(NamedTuple):
     wrapper (its first, compiling call included) and ``"backward"`` for the backward of a
     call that recorded autograd history; ``precision`` is what the wrapper applies;
     ``observed`` is :func:`~fp32scope.current_fp32_precision` read inside the scope, after
-    the precision was applied; ``thread`` is the name of the thread the call ran on
+    the precision was applied, or, when the wrapped code changed the flags the scope applied
+    (the scope then warns :class:`~fp32scope.Fp32FlagsChangedWarning`), read again when it
+    returned; ``thread`` is the name of the thread the call ran on
     (autograd's device threads are named ``Dummy-N`` by Python).
     """
 
@@ -100,6 +112,10 @@ open_ranges: list[tuple[int, Any]] = []
 _record_function = torch.autograd.profiler.record_function
 _current: list[Callable[[], Fp32Precision]] = []
 _PROFILER_FLAG: Final = "_is_profiler_enabled"
+# The event each traced entry made, by scope depth, with its scope: the scope's exit
+# replaces it when the wrapped code changed the flags. Emptied whenever no trace is open, so an entry
+# here was made by an entry at that depth while a trace was open.
+_pending: dict[int, tuple[object, Fp32TraceEvent]] = {}
 
 # torch's own Python flag for "a profiler records" (every supported torch has it, 2.2 and
 # later), read through the module's dict (see above).
@@ -130,6 +146,7 @@ def entered(scope: fp32_precision_scope, depth: int) -> None:
             event = Fp32TraceEvent(name, phase, precision, _current[0](), threading.current_thread().name)
             for events in traces:
                 events.append(event)
+            _pending[depth] = (scope, event)
         if profiler_state[_PROFILER_FLAG]:
             rf = _record_function(range_name(name, phase, precision))
             rf.__enter__()  # type: ignore[no-untyped-call]
@@ -141,10 +158,30 @@ def entered(scope: fp32_precision_scope, depth: int) -> None:
         raise
 
 
-def exited(depth: int) -> None:
-    """End the profiler range the entry at ``depth`` opened, if it opened one."""
+def exited(scope: fp32_precision_scope, depth: int) -> None:
+    """Record a wrapper scope's exit, before it restores the flags.
+
+    Ends the profiler range the entry at ``depth`` opened, if it opened one. While a trace
+    is open, an entry whose wrapped code changed the flags gets, as its event's
+    ``observed``, the precision the flags hold now, in every open trace.
+    """
     if open_ranges and open_ranges[-1][0] == depth:
         open_ranges.pop()[1].__exit__(None, None, None)
+    if not _pending:
+        return
+    made = _pending.pop(depth, None)
+    if made is None or made[0] is not scope:
+        return
+    old = made[1]
+    now = _current[0]()
+    if now == old.observed:
+        return
+    new = old._replace(observed=now)
+    for events in open_traces[:]:
+        for i in range(len(events) - 1, -1, -1):
+            if events[i] is old:
+                events[i] = new
+                break
 
 
 @contextmanager
@@ -178,6 +215,8 @@ def trace() -> Iterator[Fp32Trace]:
         _current.append(current_fp32_precision)
     events = Fp32Trace()
     with _lock:
+        if not open_traces:
+            _pending.clear()
         open_traces.append(events)
     try:
         yield events
@@ -185,6 +224,8 @@ def trace() -> Iterator[Fp32Trace]:
         with _lock:
             # By identity: two traces' lists may be equal.
             del open_traces[next(i for i, t in enumerate(open_traces) if t is events)]
+            if not open_traces:
+                _pending.clear()
 
 
 _dynamo_exclude.exclude(entered, exited, range_name, _show, graph_break=False)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -201,6 +201,78 @@ def test_the_trace_prints_as_a_table() -> None:
         "NO",
         "t",
     ]
+
+
+class Flips(torch.nn.Module):
+    """A node that sets torch's flags itself inside its forward, as some models do."""
+
+    def __init__(self, flip: Callable[[], None]) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 3)
+        self.flip = flip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.flip()
+        return self.proj(x)
+
+
+def set_matmul_high() -> None:
+    torch.set_float32_matmul_precision("high")
+
+
+def set_cudnn_tf32() -> None:
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def row(events: Fp32Trace, i: int) -> list[str]:
+    return events.table().splitlines()[i + 1].split()
+
+
+def test_a_node_that_changes_the_matmul_precision_inside_is_a_mismatch() -> None:
+    head = Fp32ScopedModule(Flips(set_matmul_high), FULL, name="flips")
+    with trace() as events, pytest.warns(fp32scope.Fp32FlagsChangedWarning):
+        head(torch.ones(1, 3))
+    assert len(events) == 1
+    assert events[0].observed == Fp32Precision("high", cudnn_allow_tf32=False)  # the cuDNN field still held
+    assert not events[0].matches
+    assert row(events, 0) == ["flips", "forward", "highest/cudnn-fp32", "high/cudnn-fp32", "NO", "MainThread"]
+    assert fp32scope.current_fp32_precision() == DEFAULT  # restored all the same
+
+
+def test_a_node_that_turns_cudnn_tf32_on_inside_is_a_mismatch() -> None:
+    head = Fp32ScopedModule(Flips(set_cudnn_tf32), FULL, name="flips")
+    with trace() as events, pytest.warns(fp32scope.Fp32FlagsChangedWarning):
+        head(torch.ones(1, 3))
+    assert events[0].observed == Fp32Precision("highest", cudnn_allow_tf32=True)  # the matmul field still held
+    assert not events[0].matches
+    assert row(events, 0)[3:5] == ["highest/cudnn-tf32", "NO"]
+
+
+def test_a_mismatch_inside_a_scoped_parent_is_its_own_and_every_open_trace_shows_it() -> None:
+    inner = Fp32ScopedModule(Flips(set_matmul_high), FULL, name="inner")
+    outer = with_fp32_precision(HIGHEST, name="outer")(inner)
+    with trace() as outside, trace() as inside, pytest.warns(fp32scope.Fp32FlagsChangedWarning):
+        outer(torch.ones(1, 3))
+    assert outside == inside
+    assert [(e.name, e.matches) for e in inside] == [("outer", True), ("inner", False)]
+
+
+def test_a_trace_opened_inside_a_call_does_not_blame_an_earlier_call() -> None:
+    head = linear()
+    with trace():
+        head(torch.ones(1, 3))  # an event at this depth, ended cleanly
+
+    def opens_a_trace_and_flips(x: torch.Tensor) -> torch.Tensor:
+        with trace() as inner_events:
+            set_matmul_high()
+        assert inner_events == []
+        return x
+
+    with pytest.warns(fp32scope.Fp32FlagsChangedWarning):
+        with_fp32_precision(FULL, name="f")(opens_a_trace_and_flips)(torch.ones(1))
+    with trace() as events:
+        head(torch.ones(1, 3))
+    assert [e.matches for e in events] == [True]
 
 
 def test_public_names() -> None:
