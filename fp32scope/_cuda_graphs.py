@@ -98,3 +98,7 @@ def capture_cuda_graph(
     with scope, torch.cuda.graph(graph, pool=pool):
         output = fn(*inputs)
     return CapturedCudaGraph(graph, inputs, output, checked)
+
+
+# Pickles, reprs and tracebacks name the public home, which stays when private modules move.
+CapturedCudaGraph.__module__ = "fp32scope"

@@ -385,3 +385,7 @@ def load_exported_program(
     if extra_files is not None:
         extra_files.update(files)
     return Fp32ScopedModule(ep.module(), resolved)
+
+
+# Pickles, reprs and tracebacks name the public home, which stays when private modules move.
+ScopedAOTIModel.__module__ = "fp32scope"

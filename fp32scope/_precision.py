@@ -160,3 +160,7 @@ def check_backward(value: object) -> bool:
         f"got {value!r} of type {type(value).__name__}."
     )
     raise TypeError(msg)
+
+
+# Pickles, reprs and tracebacks name the public home, which stays when private modules move.
+Fp32Precision.__module__ = "fp32scope"

@@ -396,3 +396,11 @@ def precision_of(obj: object) -> Fp32Precision | None:
         return precision
     found = getattr(obj, "__fp32scope_precision__", None)
     return found if isinstance(found, Fp32Precision) else None
+
+
+# Pickles name the public home, which stays when private modules move: the class as
+# fp32scope.Fp32ScopedModule, its rebuilder as fp32scope.Fp32ScopedModule._rebuild (old
+# pickles name fp32scope._proxy._rebuild, which stays too).
+Fp32ScopedModule.__module__ = _rebuild.__module__ = "fp32scope"
+_rebuild.__qualname__ = "Fp32ScopedModule._rebuild"
+Fp32ScopedModule._rebuild = staticmethod(_rebuild)  # type: ignore[attr-defined]

@@ -402,3 +402,6 @@ _dynamo_exclude.exclude(
     *(fn for fn in vars(_flags).values() if callable(fn) and getattr(fn, "__module__", None) == _flags.__name__),
     graph_break=False,
 )
+
+# Pickles, reprs and tracebacks name the public home, which stays when private modules move.
+fp32_precision_scope.__module__ = "fp32scope"

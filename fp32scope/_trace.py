@@ -229,3 +229,7 @@ def trace() -> Iterator[Fp32Trace]:
 
 
 _dynamo_exclude.exclude(entered, exited, range_name, _show, graph_break=False)
+
+# Pickles, reprs and tracebacks name the public home, which stays when private modules move.
+Fp32TraceEvent.__module__ = "fp32scope"
+Fp32Trace.__module__ = "fp32scope"

@@ -102,3 +102,7 @@ class assert_fp32_flags_unchanged(contextlib.ContextDecorator):  # noqa: N801  (
         state = "now restored" if self._restore else "left as the block set them"
         msg = f"the block changed torch's float32 precision flags ({state}):\n  " + "\n  ".join(lines)
         raise AssertionError(msg)
+
+
+# Pickles, reprs and tracebacks name the public home, which stays when private modules move.
+assert_fp32_flags_unchanged.__module__ = "fp32scope"
