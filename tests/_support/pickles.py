@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -32,12 +33,15 @@ def objects() -> dict[str, object]:
     }
 
 
-def model() -> torch.nn.Module:
+def model() -> torch.nn.Sequential:
     """A model with a scoped child, seeded: the fixture's ``torch.save`` file holds one made by this."""
     torch.manual_seed(0)
     return torch.nn.Sequential(
         torch.nn.Linear(3, 3),
-        Fp32ScopedModule(torch.nn.Linear(3, 2), Fp32Precision("highest", cudnn_allow_tf32=False), name="head"),
+        cast(
+            "torch.nn.Module",
+            Fp32ScopedModule(torch.nn.Linear(3, 2), Fp32Precision("highest", cudnn_allow_tf32=False), name="head"),
+        ),
     )
 
 

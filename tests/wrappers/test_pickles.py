@@ -7,6 +7,7 @@ import io
 import pickle
 import pickletools
 import warnings
+from typing import cast
 
 import pytest
 import torch
@@ -41,19 +42,20 @@ def test_public_objects_pickle_under_the_package(which: str, protocol: int) -> N
     obj = scoped() if which == "proxy" else pickles.objects()[which]
     data = pickle.dumps(obj, protocol=protocol)
     assert globals_named(data) == {"fp32scope"}
-    back = pickle.loads(data)  # noqa: S301  (our own bytes)
+    back: object = pickle.loads(data)  # noqa: S301  (our own bytes)
     assert type(back) is type(obj)
     if which == "proxy":
         assert precision_of(back) == precision_of(obj)
-    elif which == "error":
-        assert back.args == obj.args  # type: ignore[attr-defined]
+    elif isinstance(obj, Exception):
+        assert isinstance(back, Exception)
+        assert back.args == obj.args
     else:
         assert back == obj
 
 
 def test_torch_save_of_a_scoped_model_names_the_package() -> None:
     buffer = io.BytesIO()
-    torch.save(torch.nn.Sequential(scoped()), buffer)
+    torch.save(torch.nn.Sequential(cast("torch.nn.Module", scoped())), buffer)
     assert b"fp32scope._" not in buffer.getvalue()
     assert b"fp32scope" in buffer.getvalue()
 
@@ -68,6 +70,8 @@ def test_the_fixture_pickle_of_fp32scope_0_1_loads() -> None:
     loaded = pickle.loads(data)  # noqa: S301  (the repository's own fixture)
     made = pickles.objects()
     error, made_error = loaded.pop("error"), made.pop("error")
+    assert isinstance(error, Exception)
+    assert isinstance(made_error, Exception)
     assert (type(error), error.args) == (type(made_error), made_error.args)  # exceptions compare by identity
     assert loaded == made
 
@@ -75,9 +79,9 @@ def test_the_fixture_pickle_of_fp32scope_0_1_loads() -> None:
 def test_the_fixture_torch_save_of_fp32scope_0_1_loads_and_runs_as_made() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch 2.4's weights_only notice
-        loaded = torch.load(pickles.MODEL, weights_only=False)
+        loaded = cast("torch.nn.Sequential", torch.load(pickles.MODEL, weights_only=False))
     made = pickles.model()
-    head = loaded[1]
+    head: object = loaded[1]
     assert type(head) is Fp32ScopedModule
     assert precision_of(head) == precision_of(made[1])
     assert head._self_name == "head"

@@ -213,7 +213,8 @@ class Flips(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.flip()
-        return self.proj(x)
+        out: torch.Tensor = self.proj(x)
+        return out
 
 
 def set_matmul_high() -> None:
