@@ -289,8 +289,8 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
         if token is None:
             return
         global _depth  # noqa: PLW0603
-        if _ranges or _traces:  # a profiler range this entry opened, or an event to check (_trace)
-            _trace_exit(self, _depth)
+        if _ranges:  # a profiler range or a trace event this entry may have left (_trace)
+            _trace_exit(_depth)
         self._token = self._outer.pop() if self._outer else None
         try:
             changed = _restore(token)
@@ -347,8 +347,8 @@ class _LegacyDynamoScope(fp32_precision_scope):
         if token is None:
             return
         global _depth  # noqa: PLW0603
-        if _ranges or _traces:  # a profiler range this entry opened, or an event to check (_trace)
-            _trace_exit(self, _depth)
+        if _ranges:  # a profiler range or a trace event this entry may have left (_trace)
+            _trace_exit(_depth)
         frames, keep_medium = self._marks.pop()
         t, b = token[0], token[1]
         reset = _dynamo_frames() != frames and _GM() == "high"

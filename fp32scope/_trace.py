@@ -3,10 +3,10 @@
 Every wrapper scope (the scope of an :class:`~fp32scope.Fp32ScopedModule` or a
 :func:`~fp32scope.with_fp32_precision` function, and the scope a recorded call's backward
 runs in) calls :func:`entered` at the end of its ``__enter__`` while a :func:`trace` is open
-or a profiler records, and :func:`exited` at the start of its ``__exit__`` while a trace or a
-profiler range is open. Otherwise each scoped call pays two cheap reads on entry (this
-module's list of open traces, and the Python flag torch's profilers set while they record)
-and two on exit (the lists of open ranges and of open traces).
+or a profiler records, and :func:`exited` at the start of its ``__exit__`` while an entry
+left a profiler range or a trace event to close. Otherwise each scoped call pays two cheap
+reads on entry (this module's list of open traces, and the Python flag torch's profilers
+set while they record) and one on exit.
 """
 
 from __future__ import annotations
@@ -101,9 +101,12 @@ class Fp32Trace(list[Fp32TraceEvent]):
 # thread) land whole, in the order they happened.
 open_traces: list[Fp32Trace] = []
 _lock = threading.Lock()
-# (scope depth, record_function) for each open profiler range, innermost last. Scoped calls
-# nest strictly across threads (one thread holds scopes at a time; an autograd device thread
-# only while the owner waits on its backward), so the depth at entry says which exit ends it.
+# What a traced or profiled entry leaves for its exit, innermost last: (scope depth,
+# record_function) for each open profiler range, and (scope depth, event) for each event a
+# trace recorded, which the exit checks against the flags the wrapped code left. Scoped
+# calls nest strictly across threads (one thread holds scopes at a time; an autograd device
+# thread only while the owner waits on its backward), so the depth at entry says which exit
+# ends it. One list, so that a scope's exit pays one read for both features.
 open_ranges: list[tuple[int, Any]] = []
 # Read on every scoped call: torch's own Python flag, set while torch.profiler.profile or
 # torch.autograd.profiler.profile (emit_nvtx, emit_itt) records; a C call would cost more.
@@ -112,10 +115,6 @@ open_ranges: list[tuple[int, Any]] = []
 _record_function = torch.autograd.profiler.record_function
 _current: list[Callable[[], Fp32Precision]] = []
 _PROFILER_FLAG: Final = "_is_profiler_enabled"
-# The event each traced entry made, by scope depth, with its scope: the scope's exit
-# replaces it when the wrapped code changed the flags. Emptied whenever no trace is open, so an entry
-# here was made by an entry at that depth while a trace was open.
-_pending: dict[int, tuple[object, Fp32TraceEvent]] = {}
 
 # torch's own Python flag for "a profiler records" (every supported torch has it, 2.2 and
 # later), read through the module's dict (see above).
@@ -146,7 +145,7 @@ def entered(scope: fp32_precision_scope, depth: int) -> None:
             event = Fp32TraceEvent(name, phase, precision, _current[0](), threading.current_thread().name)
             for events in traces:
                 events.append(event)
-            _pending[depth] = (scope, event)
+            open_ranges.append((depth, event))
         if profiler_state[_PROFILER_FLAG]:
             rf = _record_function(range_name(name, phase, precision))
             rf.__enter__()  # type: ignore[no-untyped-call]
@@ -158,28 +157,28 @@ def entered(scope: fp32_precision_scope, depth: int) -> None:
         raise
 
 
-def exited(scope: fp32_precision_scope, depth: int) -> None:
-    """Record a wrapper scope's exit, before it restores the flags.
+def exited(depth: int) -> None:
+    """Close what the entry at ``depth`` left open: its profiler range, its trace event.
 
-    Ends the profiler range the entry at ``depth`` opened, if it opened one. While a trace
-    is open, an entry whose wrapped code changed the flags gets, as its event's
-    ``observed``, the precision the flags hold now, in every open trace.
+    Runs before the scope restores the flags. An event whose wrapped code changed the flags
+    gets, as ``observed``, the precision they hold now, in every open trace.
     """
-    if open_ranges and open_ranges[-1][0] == depth:
-        open_ranges.pop()[1].__exit__(None, None, None)
-    if not _pending:
-        return
-    made = _pending.pop(depth, None)
-    if made is None or made[0] is not scope:
-        return
-    old = made[1]
+    while open_ranges and open_ranges[-1][0] == depth:
+        left = open_ranges.pop()[1]
+        if type(left) is Fp32TraceEvent:
+            _observe_again(left)
+        else:
+            left.__exit__(None, None, None)
+
+
+def _observe_again(event: Fp32TraceEvent) -> None:
     now = _current[0]()
-    if now == old.observed:
+    if now == event.observed:
         return
-    new = old._replace(observed=now)
+    new = event._replace(observed=now)
     for events in open_traces[:]:
         for i in range(len(events) - 1, -1, -1):
-            if events[i] is old:
+            if events[i] is event:
                 events[i] = new
                 break
 
@@ -215,8 +214,6 @@ def trace() -> Iterator[Fp32Trace]:
         _current.append(current_fp32_precision)
     events = Fp32Trace()
     with _lock:
-        if not open_traces:
-            _pending.clear()
         open_traces.append(events)
     try:
         yield events
@@ -224,11 +221,9 @@ def trace() -> Iterator[Fp32Trace]:
         with _lock:
             # By identity: two traces' lists may be equal.
             del open_traces[next(i for i, t in enumerate(open_traces) if t is events)]
-            if not open_traces:
-                _pending.clear()
 
 
-_dynamo_exclude.exclude(entered, exited, range_name, _show, graph_break=False)
+_dynamo_exclude.exclude(entered, exited, _observe_again, range_name, _show, graph_break=False)
 
 # Pickles, reprs and tracebacks name the public home, which stays when private modules move.
 Fp32TraceEvent.__module__ = "fp32scope"
