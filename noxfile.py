@@ -20,14 +20,54 @@ CPU build on disk was made for is a CUDA build, about 5 GB of venv.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import nox
 
 nox.options.error_on_missing_interpreters = True
-nox.options.default_venv_backend = "virtualenv"  # pip-based: pip sees the on-disk torch build
+# uv makes a venv and installs torch in seconds where pip takes minutes; virtualenv (pip)
+# where uv is missing. uv reads no pip configuration: _pass_pip_config_to_uv hands it on.
+nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["tests", "lint", "typecheck", "docs", "examples", "demo"]
+
+#: pytest-xdist workers for the test sessions (the machine's two cores); ``-- -n 0`` runs serially.
+TEST_WORKERS = os.environ.get("FP32SCOPE_TEST_WORKERS", "2")
+
+
+def _pip_config() -> dict[str, str]:
+    """pip's own settings, as ``pip config list`` shows them (files and PIP_* variables), by key without scope."""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False, timeout=60
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    settings: dict[str, str] = {}
+    for line in out.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            # "global.find-links", "install.find-links", ":env:.find-links": the later, more specific wins.
+            settings[key.rpartition(".")[2]] = value.strip().strip("'\"")
+    return settings
+
+
+def _pass_pip_config_to_uv() -> None:
+    """Give uv the local wheel folders and extra indexes pip is configured with (the on-disk torch builds)."""
+    pip = _pip_config()
+    if "find-links" in pip:
+        os.environ.setdefault("UV_FIND_LINKS", ",".join(pip["find-links"].split()))
+    if "extra-index-url" in pip:
+        os.environ.setdefault("UV_EXTRA_INDEX_URL", pip["extra-index-url"])
+        # As pip does: a package's versions from every index count (uv's default stops at the first).
+        os.environ.setdefault("UV_INDEX_STRATEGY", "unsafe-best-match")
+    if "index-url" in pip:
+        os.environ.setdefault("UV_INDEX_URL", pip["index-url"])
+
+
+_pass_pip_config_to_uv()
 
 DEFAULT_TORCH = "2.13.0"
 TORCH_VERSIONS = [os.environ.get("FP32SCOPE_TORCH", DEFAULT_TORCH)]
@@ -61,7 +101,7 @@ def install(session: nox.Session, torch: str, *extras: str) -> None:
 def tests(session: nox.Session, torch: str) -> None:
     """Run the test suite (CPU; the GPU tests skip themselves without CUDA)."""
     install(session, torch, "test")
-    session.run("pytest", *session.posargs)
+    session.run("pytest", "-n", TEST_WORKERS, *session.posargs)
 
 
 def _matrix_session(release: str) -> Callable[[nox.Session], None]:
@@ -70,7 +110,7 @@ def _matrix_session(release: str) -> Callable[[nox.Session], None]:
         session.run("python", "-c", "import torch; print('torch', torch.__version__)")
         # pytest's -ra (pyproject.toml) lists each skip with its reason: a test that cannot
         # run on a release says why.
-        session.run("pytest", *session.posargs)
+        session.run("pytest", "-n", TEST_WORKERS, *session.posargs)
 
     run_tests.__doc__ = f"Run the test suite on torch {release} (part of the torch matrix: nox -t torch-matrix)."
     return run_tests
@@ -84,7 +124,7 @@ def _python_session(python: str) -> Callable[[nox.Session], None]:
     def run_tests(session: nox.Session) -> None:
         install(session, DEFAULT_TORCH, "test")
         session.run("python", "-c", "import platform, torch; print(platform.python_version(), torch.__version__)")
-        session.run("pytest", *session.posargs)
+        session.run("pytest", "-n", TEST_WORKERS, *session.posargs)
 
     run_tests.__doc__ = f"Run the test suite on Python {python}, torch {DEFAULT_TORCH} (part of nox -t python-matrix)."
     return run_tests
