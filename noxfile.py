@@ -91,7 +91,9 @@ def install(session: nox.Session, torch: str, *extras: str) -> None:
     """Install the pinned torch first, then this package (editable) with ``extras``."""
     # Both commands: under the cap, installing the package would take torch back down to 2.14.1.
     env = {"PIP_CONSTRAINT": "/dev/null"} if torch in PAST_PIP_CAP else None
-    session.install(f"torch=={torch}", env=env)
+    # setuptools: torch 2.4's Dynamo imports it on every compile, and a uv venv, unlike a
+    # virtualenv one, starts without it.
+    session.install(f"torch=={torch}", "setuptools", env=env)
     target = f".[{','.join(extras)}]" if extras else "."
     session.install("-e", target, env=env)
 
