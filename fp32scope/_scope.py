@@ -347,14 +347,15 @@ class _LegacyDynamoScope(fp32_precision_scope):
         if token is None:
             return
         global _depth  # noqa: PLW0603
-        if _ranges:  # a profiler range or a trace event this entry may have left (_trace)
-            _trace_exit(_depth)
         frames, keep_medium = self._marks.pop()
         t, b = token[0], token[1]
         reset = _dynamo_frames() != frames and _GM() == "high"
         # torch's reset alone: the matmul field went "medium" -> "high" while Dynamo compiled,
         # and the cuDNN field (if any) still holds.
         torch_only = reset and t == "medium" and (b is None or _GB() is b)
+        if _ranges:  # a profiler range or a trace event this entry may have left (_trace)
+            # Dynamo's own reset is not the node's change: its event keeps the entry's reading.
+            _trace_exit(_depth, observe=not torch_only)
         self._token = self._outer.pop() if self._outer else None
         try:
             changed = _restore(token)

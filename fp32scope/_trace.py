@@ -157,16 +157,17 @@ def entered(scope: fp32_precision_scope, depth: int) -> None:
         raise
 
 
-def exited(depth: int) -> None:
+def exited(depth: int, *, observe: bool = True) -> None:
     """Close what the entry at ``depth`` left open: its profiler range, its trace event.
 
-    Runs before the scope restores the flags. An event whose wrapped code changed the flags
-    gets, as ``observed``, the precision they hold now, in every open trace.
+    Runs before the scope restores the flags. With ``observe``, an event whose wrapped code
+    changed the flags gets, as ``observed``, the precision they hold now, in every open trace.
     """
     while open_ranges and open_ranges[-1][0] == depth:
         left = open_ranges.pop()[1]
         if type(left) is Fp32TraceEvent:
-            _observe_again(left)
+            if observe:
+                _observe_again(left)
         else:
             left.__exit__(None, None, None)
 
