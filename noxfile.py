@@ -45,13 +45,16 @@ def _pip_config() -> dict[str, str]:
         ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return {}
-    settings: dict[str, str] = {}
+    # pip prints its keys sorted (":env:." first); it honours a PIP_* variable over the install
+    # section over global, so read them in that order of rising precedence.
+    rank = {"global": 0, "install": 1, ":env:": 2}
+    found: list[tuple[int, str, str]] = []
     for line in out.splitlines():
         key, sep, value = line.partition("=")
         if sep:
-            # "global.find-links", "install.find-links", ":env:.find-links": the later, more specific wins.
-            settings[key.rpartition(".")[2]] = value.strip().strip("'\"")
-    return settings
+            scope, _, name = key.rpartition(".")
+            found.append((rank.get(scope, 0), name, value.strip().strip("'\"")))
+    return {name: value for _, name, value in sorted(found, key=lambda item: item[0])}
 
 
 def _pass_pip_config_to_uv() -> None:
