@@ -19,12 +19,13 @@ from collections.abc import Callable
 import torch
 
 import fp32scope
-from fp32scope import Fp32Precision, Fp32ScopedModule, _flags, fp32_precision_scope, with_fp32_precision
-from fp32scope._autocast import any_autocast
-from fp32scope._trace import open_ranges as _ranges
-from fp32scope._trace import open_traces as _traces
-from fp32scope._trace import profiler_state as _profiler_state
-from fp32scope._trampoline import active_callback
+from fp32scope import Fp32Precision, Fp32ScopedModule, fp32_precision_scope, with_fp32_precision
+from fp32scope._flags import torch_flags as _flags
+from fp32scope._flags.hooks import open_ranges as _ranges
+from fp32scope._flags.hooks import open_traces as _traces
+from fp32scope._flags.hooks import profiler_state as _profiler_state
+from fp32scope._wrappers.autocast import any_autocast
+from fp32scope._wrappers.trampoline import active_callback
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
@@ -193,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         "Fp32ScopedModule call under no_grad, both switch, inside fp32scope.trace()": call_proxy_traced,
         "the trace/profiler checks of a scoped call, neither recording": observer_checks,
         # Part of every wrapper call: whether a compiled caller's Dynamo is active (then the
-        # wrapped callable is compiled in the scope; see fp32scope._trampoline).
+        # wrapped callable is compiled in the scope; see fp32scope._wrappers.trampoline).
         "reading Dynamo's frame callback (one C call)": active_callback,
-        # Part of every wrapper call: whether any autocast is on (then see fp32scope._autocast).
+        # Part of every wrapper call: whether any autocast is on (then see fp32scope._wrappers.autocast).
         "reading whether any autocast is on (one C call)": any_autocast,
         "no_grad + torch.autocast('cpu', bf16) around a no-op": autocast_only,
         "Fp32ScopedModule(autocast=False) under no_grad + autocast, one bf16 argument": call_autocast_off,

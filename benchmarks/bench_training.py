@@ -37,7 +37,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp32scope
-from fp32scope import Fp32Precision, Fp32ScopedModule, _flags
+from fp32scope import Fp32Precision, Fp32ScopedModule
+from fp32scope._flags import torch_flags as _flags
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 

@@ -53,7 +53,7 @@ nitpick_ignore_regex = [
     (r"py:exc", r"[A-Z][A-Za-z]*(Error|Exception|Warning|Interrupt)"),
     (r"py:class", r"[A-Z][A-Za-z]*(Error|Exception|Warning)"),
     # Private type aliases and type variables in signatures: not public names.
-    (r"py:class", r"MatmulPrecision|fp32scope\._decorator\.F"),
+    (r"py:class", r"MatmulPrecision|fp32scope\._wrappers\.decorator\.F"),
 ]
 
 # -- doctest -------------------------------------------------------------------------------
@@ -63,7 +63,7 @@ doctest_test_doctest_blocks = "default"
 doctest_global_setup = """
 import torch
 from fp32scope import *
-from fp32scope import _flags as _fp32scope_flags
+from fp32scope._flags import torch_flags as _fp32scope_flags
 _fp32scope_saved = _fp32scope_flags.save_raw_state()
 """
 doctest_global_cleanup = """

@@ -23,8 +23,8 @@ SUITE = Path(__file__).resolve().parent / "plugin_suite"
 
 def plugin_args() -> list[str]:
     """Nothing where fp32scope is installed (pytest loads the plugin itself); else load it by name."""
-    installed = any(ep.value == "fp32scope._pytest_plugin" for ep in entry_points(group="pytest11"))
-    return [] if installed else ["-p", "fp32scope._pytest_plugin"]
+    installed = any(ep.value == "fp32scope._tools.pytest_plugin" for ep in entry_points(group="pytest11"))
+    return [] if installed else ["-p", "fp32scope._tools.pytest_plugin"]
 
 
 def run_pytest(*args: str) -> subprocess.CompletedProcess[str]:

@@ -13,8 +13,6 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fp32scope._cuda_graphs import CapturedCudaGraph, capture_cuda_graph
-    from fp32scope._decorator import with_fp32_precision
     from fp32scope._errors import (
         Fp32AutocastWarning,
         Fp32BackwardNotScopedWarning,
@@ -23,54 +21,56 @@ if TYPE_CHECKING:
         Fp32ParameterDtypeWarning,
         Fp32ScopeError,
     )
-    from fp32scope._export import (
+    from fp32scope._export.cuda_graphs import CapturedCudaGraph, capture_cuda_graph
+    from fp32scope._export.export import (
         ScopedAOTIModel,
         aoti_compile_and_package,
         aoti_load_package,
         load_exported_program,
         save_exported_program,
     )
-    from fp32scope._node import node_fp32_precision
-    from fp32scope._policy import scope_modules, scoped_modules, unscope_modules
-    from fp32scope._precision import Fp32Precision
-    from fp32scope._process import current_fp32_precision, set_process_default
-    from fp32scope._proxy import Fp32ScopedModule, precision_of
-    from fp32scope._scope import fp32_precision_scope
-    from fp32scope._trace import Fp32Trace, Fp32TraceEvent, trace
-    from fp32scope._unchanged import assert_fp32_flags_unchanged
+    from fp32scope._flags.precision import Fp32Precision
+    from fp32scope._flags.process import current_fp32_precision, set_process_default
+    from fp32scope._flags.scope import fp32_precision_scope
+    from fp32scope._flags.unchanged import assert_fp32_flags_unchanged
+    from fp32scope._wrappers.decorator import with_fp32_precision
+    from fp32scope._wrappers.node import node_fp32_precision
+    from fp32scope._wrappers.policy import scope_modules, scoped_modules, unscope_modules
+    from fp32scope._wrappers.proxy import Fp32ScopedModule, precision_of
+    from fp32scope._wrappers.trace import Fp32Trace, Fp32TraceEvent, trace
 
 # Public names load on first use (PEP 562): the pytest plugin lives in this package and is
 # loaded by every pytest run of an environment that has fp32scope, and it must not import
 # torch (about a second) unless a test uses it.
 _HOMES = {
-    "CapturedCudaGraph": "_cuda_graphs",
-    "capture_cuda_graph": "_cuda_graphs",
-    "with_fp32_precision": "_decorator",
+    "CapturedCudaGraph": "_export.cuda_graphs",
+    "capture_cuda_graph": "_export.cuda_graphs",
+    "with_fp32_precision": "_wrappers.decorator",
     "Fp32AutocastWarning": "_errors",
     "Fp32BackwardNotScopedWarning": "_errors",
     "Fp32EagerFallbackWarning": "_errors",
     "Fp32FlagsChangedWarning": "_errors",
     "Fp32ParameterDtypeWarning": "_errors",
     "Fp32ScopeError": "_errors",
-    "ScopedAOTIModel": "_export",
-    "aoti_compile_and_package": "_export",
-    "aoti_load_package": "_export",
-    "load_exported_program": "_export",
-    "save_exported_program": "_export",
-    "node_fp32_precision": "_node",
-    "scope_modules": "_policy",
-    "scoped_modules": "_policy",
-    "unscope_modules": "_policy",
-    "Fp32Precision": "_precision",
-    "current_fp32_precision": "_process",
-    "set_process_default": "_process",
-    "Fp32ScopedModule": "_proxy",
-    "precision_of": "_proxy",
-    "fp32_precision_scope": "_scope",
-    "Fp32Trace": "_trace",
-    "Fp32TraceEvent": "_trace",
-    "trace": "_trace",
-    "assert_fp32_flags_unchanged": "_unchanged",
+    "ScopedAOTIModel": "_export.export",
+    "aoti_compile_and_package": "_export.export",
+    "aoti_load_package": "_export.export",
+    "load_exported_program": "_export.export",
+    "save_exported_program": "_export.export",
+    "node_fp32_precision": "_wrappers.node",
+    "scope_modules": "_wrappers.policy",
+    "scoped_modules": "_wrappers.policy",
+    "unscope_modules": "_wrappers.policy",
+    "Fp32Precision": "_flags.precision",
+    "current_fp32_precision": "_flags.process",
+    "set_process_default": "_flags.process",
+    "Fp32ScopedModule": "_wrappers.proxy",
+    "precision_of": "_wrappers.proxy",
+    "fp32_precision_scope": "_flags.scope",
+    "Fp32Trace": "_wrappers.trace",
+    "Fp32TraceEvent": "_wrappers.trace",
+    "trace": "_wrappers.trace",
+    "assert_fp32_flags_unchanged": "_flags.unchanged",
 }
 
 

@@ -28,7 +28,8 @@ def _version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fp32scope import _demo, _doctor
+    from fp32scope._tools import demo as _demo
+    from fp32scope._tools import doctor as _doctor
 
     parser = argparse.ArgumentParser(
         prog="python -m fp32scope",

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from fp32scope import _flags, _scope
+from fp32scope._flags import scope as _scope
+from fp32scope._flags import torch_flags as _flags
 from tests._support.releases import TORCH_RELEASE
 
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from fp32scope._precision import Fp32Precision, check_precision
-from fp32scope._proxy import precision_of
-from fp32scope._scope import fp32_precision_scope
+from fp32scope._flags.precision import Fp32Precision, check_precision
+from fp32scope._flags.scope import fp32_precision_scope
+from fp32scope._wrappers.proxy import precision_of
 
 __all__ = ["CapturedCudaGraph", "capture_cuda_graph"]
 

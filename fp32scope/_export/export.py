@@ -2,7 +2,7 @@
 
 A node's precision cannot live inside one exported graph (torch reads the process-wide
 flags when it compiles the graph and when its kernels run), so it travels next to the
-graph: compiled in, recorded in the artifact (see :mod:`fp32scope._export_record`), and
+graph: compiled in, recorded in the artifact (see :mod:`fp32scope._export.record`), and
 applied around every call of what is loaded from it.
 """
 
@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Any, Final
 import torch
 import wrapt
 
-from fp32scope import _dynamo_exclude
 from fp32scope._compat import TORCH_RELEASE, aoti_packaging_missing
-from fp32scope._export_record import (
+from fp32scope._export.record import (
     EXTRA_FILE,
     check_not_reserved,
     read_record,
@@ -26,9 +25,10 @@ from fp32scope._export_record import (
     record,
     record_file,
 )
-from fp32scope._precision import Fp32Precision, check_precision
-from fp32scope._proxy import Fp32ScopedModule
-from fp32scope._scope import fp32_precision_scope, wrapper_scope
+from fp32scope._flags import dynamo_exclude
+from fp32scope._flags.precision import Fp32Precision, check_precision
+from fp32scope._flags.scope import fp32_precision_scope, wrapper_scope
+from fp32scope._wrappers.proxy import Fp32ScopedModule
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -227,7 +227,7 @@ class ScopedAOTIModel(_ProxyBase):
     """
 
     def __init__(self, model: AOTICompiledModel, precision: Fp32Precision | None, name: str) -> None:
-        _dynamo_exclude.ensure()
+        dynamo_exclude.ensure()
         super().__init__(model)
         self._self_precision = precision
         self._self_scope = wrapper_scope(precision, name)
@@ -246,7 +246,7 @@ class ScopedAOTIModel(_ProxyBase):
         return f"ScopedAOTIModel(precision={self._self_precision!r}, model={self.__wrapped__!r})"
 
 
-_dynamo_exclude.exclude(ScopedAOTIModel.__call__)
+dynamo_exclude.exclude(ScopedAOTIModel.__call__)
 
 
 def _torch_load_kwargs(torch_kwargs: dict[str, Any]) -> None:

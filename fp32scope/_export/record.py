@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from fp32scope._precision import MATMUL_WORDS, Fp32Precision, MatmulPrecision, check_matmul
+from fp32scope._flags.precision import MATMUL_WORDS, Fp32Precision, MatmulPrecision, check_matmul
 
 __all__ = [
     "CUDNN_KEY",

@@ -8,7 +8,7 @@ the extra wrapper function that costs a Python call on every eager call:
 * ``skip_code`` tells Dynamo's frame callback to run these frames (and the comprehensions
   and other code objects nested in them) as plain Python, while the frames they call are
   still compiled: a wrapper calls what it wraps through a trampoline of its own
-  (:mod:`fp32scope._trampoline`), compiled as a graph of its own, inside the scope;
+  (:mod:`fp32scope._wrappers.trampoline`), compiled as a graph of its own, inside the scope;
 * ``_torchdynamo_disable`` on the function makes a compiled parent that calls it graph
   break cleanly at the call instead of inlining it.
 

@@ -18,7 +18,8 @@ from fp32scope._errors import Fp32EagerFallbackWarning
 
 __all__ = ["warn_eager_fallback"]
 
-_PACKAGE_DIR = str(Path(__file__).resolve().parent) + os.sep
+# fp32scope/, this module being in fp32scope/_flags/: frames anywhere in the package are not the user's.
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
 _warned: set[tuple[str, int]] = set()
 
 _MSG = (

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 
-from fp32scope import _flags
 from fp32scope._errors import Fp32ScopeError
-from fp32scope._precision import Fp32Precision, MatmulPrecision
-from fp32scope._scope import active_scope_thread, conflict_error, split
+from fp32scope._flags import torch_flags
+from fp32scope._flags.precision import Fp32Precision, MatmulPrecision
+from fp32scope._flags.scope import active_scope_thread, conflict_error, split
 
 __all__ = ["current_fp32_precision", "set_process_default"]
 
@@ -37,7 +37,7 @@ def set_process_default(precision: Fp32Precision | None) -> None:
         raise conflict_error("Cannot call set_process_default", owner)
     if fields is None:
         return
-    _flags.apply(*fields)  # the token is dropped: this state is the new default
+    torch_flags.apply(*fields)  # the token is dropped: this state is the new default
 
 
 _INSIDE_A_SCOPE = (
@@ -76,23 +76,27 @@ def current_fp32_precision() -> Fp32Precision:
     is True if cuDNN convolutions or RNNs use TF32. ``python -m fp32scope doctor`` shows the
     readings behind it and how to make the state consistent.
     """
-    readings = _flags.read_all()
-    legacy_matmul = readings[_flags.LEGACY_MATMUL]
-    cublas = readings[_flags.LEGACY_CUBLAS]
+    readings = torch_flags.read_all()
+    legacy_matmul = readings[torch_flags.LEGACY_MATMUL]
+    cublas = readings[torch_flags.LEGACY_CUBLAS]
     matmul: MatmulPrecision
-    if _flags.RAISES not in (legacy_matmul, cublas):
+    if torch_flags.RAISES not in (legacy_matmul, cublas):
         matmul = legacy_matmul  # type: ignore[assignment]
-        if matmul == "highest" and _flags.HAS_NEW_API and readings[_flags.SLOT_NAMES["cuda", "matmul"]] == "bfx9":
+        if (
+            matmul == "highest"
+            and torch_flags.HAS_NEW_API
+            and readings[torch_flags.SLOT_NAMES["cuda", "matmul"]] == "bfx9"
+        ):
             matmul = "bfx9"
     else:
         matmul = _effective_matmul(
-            str(readings[_flags.SLOT_NAMES["cuda", "matmul"]]),
-            str(readings[_flags.SLOT_NAMES["mkldnn", "matmul"]]),
+            str(readings[torch_flags.SLOT_NAMES["cuda", "matmul"]]),
+            str(readings[torch_flags.SLOT_NAMES["mkldnn", "matmul"]]),
         )
-    cudnn = readings[_flags.LEGACY_CUDNN]
-    if cudnn == _flags.RAISES:
+    cudnn = readings[torch_flags.LEGACY_CUDNN]
+    if cudnn == torch_flags.RAISES:
         cudnn = "tf32" in (
-            readings[_flags.SLOT_NAMES["cuda", "conv"]],
-            readings[_flags.SLOT_NAMES["cuda", "rnn"]],
+            readings[torch_flags.SLOT_NAMES["cuda", "conv"]],
+            readings[torch_flags.SLOT_NAMES["cuda", "rnn"]],
         )
     return Fp32Precision(matmul, bool(cudnn))

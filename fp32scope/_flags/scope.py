@@ -10,16 +10,17 @@ from typing import Any, Final, NoReturn
 
 import torch
 
-from fp32scope import _dynamo_exclude, _flags
-from fp32scope._autograd_threads import runs_backward_for
 from fp32scope._compat import DYNAMO_RESETS_MEDIUM, DYNAMO_TRACES_SCOPES_MADE_INSIDE, is_exporting
 from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
-from fp32scope._precision import MATMUL_PRECISIONS, Fp32Precision, check_precision
-from fp32scope._trace import entered as _trace_enter
-from fp32scope._trace import exited as _trace_exit
-from fp32scope._trace import open_ranges as _ranges
-from fp32scope._trace import open_traces as _traces
-from fp32scope._trace import profiler_state as _profiler_state
+from fp32scope._flags import dynamo_exclude, torch_flags
+from fp32scope._flags.autograd_threads import runs_backward_for
+from fp32scope._flags.eager_fallback import warn_eager_fallback
+from fp32scope._flags.hooks import entered as _trace_enter
+from fp32scope._flags.hooks import exited as _trace_exit
+from fp32scope._flags.hooks import open_ranges as _ranges
+from fp32scope._flags.hooks import open_traces as _traces
+from fp32scope._flags.hooks import profiler_state as _profiler_state
+from fp32scope._flags.precision import MATMUL_PRECISIONS, Fp32Precision, check_precision
 
 __all__ = [
     "Token",
@@ -43,10 +44,10 @@ _get_ident = threading.get_ident
 _owner: dict[int, int] = {}
 _depth = 0
 _claim = _owner.setdefault
-_apply = _flags.apply
-_restore = _flags.restore
+_apply = torch_flags.apply
+_restore = torch_flags.restore
 
-Token = _flags.Token
+Token = torch_flags.Token
 
 _COMPILING_MSG: Final = (
     "fp32_precision_scope cannot change torch's float32 precision flags inside a region that "
@@ -57,7 +58,7 @@ _COMPILING_MSG: Final = (
 )
 
 # torch.export traces with is_compiling() True too (non-strict export; strict export meets
-# the wrappers' Dynamo mark first, whose reason is _dynamo_exclude._REASON): its own message.
+# the wrappers' Dynamo mark first, whose reason is dynamo_exclude._REASON): its own message.
 _EXPORTING_MSG: Final = (
     "torch.export cannot export a scoped call (an Fp32ScopedModule, a with_fp32_precision "
     "function or an fp32_precision_scope): one exported graph cannot carry a float32 precision "
@@ -99,8 +100,6 @@ def _graph_break_with_reason(ctx: Any) -> None:
     if _is_exporting():  # strict torch.export traces with Dynamo: say what export needs
         ctx.graph_break(_EXPORTING_MSG)
         return
-    from fp32scope._eager_fallback import warn_eager_fallback
-
     warn_eager_fallback(ctx)
     ctx.graph_break(_COMPILING_MSG)
 
@@ -276,8 +275,12 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
                 self._outer = []
             self._outer.append(self._token)
         self._token = token
-        if _traces or _profiler_state["_is_profiler_enabled"]:  # trace() or a profiler records: _trace
-            _trace_enter(self, _depth)
+        if _traces or _profiler_state["_is_profiler_enabled"]:  # trace() or a profiler records: hooks
+            try:
+                _trace_enter(self, _depth)
+            except BaseException:  # this scope's own exit, before the error leaves a `with` that never ran
+                fp32_precision_scope.__exit__(self, *sys.exc_info())
+                raise
 
     def __exit__(
         self,
@@ -289,7 +292,7 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
         if token is None:
             return
         global _depth  # noqa: PLW0603
-        if _ranges:  # a profiler range or a trace event this entry may have left (_trace)
+        if _ranges:  # a profiler range or a trace event this entry may have left (hooks)
             _trace_exit(_depth)
         self._token = self._outer.pop() if self._outer else None
         try:
@@ -353,7 +356,7 @@ class _LegacyDynamoScope(fp32_precision_scope):
         # torch's reset alone: the matmul field went "medium" -> "high" while Dynamo compiled,
         # and the cuDNN field (if any) still holds.
         torch_only = reset and t == "medium" and (b is None or _GB() is b)
-        if _ranges:  # a profiler range or a trace event this entry may have left (_trace)
+        if _ranges:  # a profiler range or a trace event this entry may have left (hooks)
             # Dynamo's own reset is not the node's change: its event keeps the entry's reading.
             _trace_exit(_depth, observe=not torch_only)
         self._token = self._outer.pop() if self._outer else None
@@ -387,7 +390,7 @@ def wrapper_scope(precision: Fp32Precision | None, name: str, phase: str = "forw
 # As frames of their own (called from a compiled region's eager parts) they must never be
 # converted: there is_compiling() would fold to True too, and the code after the comptime
 # graph break would run for real and raise.
-_dynamo_exclude.exclude(
+dynamo_exclude.exclude(
     _release,
     _warn_changed,
     _refuse_traced,
@@ -399,8 +402,12 @@ _dynamo_exclude.exclude(
     _LegacyDynamoScope.__exit__,
     graph_break=False,
 )
-_dynamo_exclude.exclude(
-    *(fn for fn in vars(_flags).values() if callable(fn) and getattr(fn, "__module__", None) == _flags.__name__),
+dynamo_exclude.exclude(
+    *(
+        fn
+        for fn in vars(torch_flags).values()
+        if callable(fn) and getattr(fn, "__module__", None) == torch_flags.__name__
+    ),
     graph_break=False,
 )
 

@@ -5,27 +5,27 @@ from __future__ import annotations
 import contextlib
 from types import TracebackType
 
-from fp32scope import _flags
+from fp32scope._flags import torch_flags
 
 __all__ = ["assert_fp32_flags_unchanged", "changes"]
 
 Reading = str | bool
-Saved = tuple[_flags.FlagReadings, _flags.RawState]
+Saved = tuple[torch_flags.FlagReadings, torch_flags.RawState]
 
 
 def _save() -> Saved:
     # Readings first: saving the raw state probes by writing for two C calls and restoring.
-    return _flags.read_all(), _flags.save_raw_state()
+    return torch_flags.read_all(), torch_flags.save_raw_state()
 
 
 def _raw_labels(slots: int) -> list[tuple[str, str]]:
-    labels = [(_flags.LEGACY_MATMUL, "legacy matmul enum"), (_flags.LEGACY_CUDNN, "legacy cuDNN bool")]
+    labels = [(torch_flags.LEGACY_MATMUL, "legacy matmul enum"), (torch_flags.LEGACY_CUDNN, "legacy cuDNN bool")]
     # No slots before torch 2.9: the raw state is the legacy pair alone.
-    labels += [(name, "slot") for _, _, name in _flags.SLOTS[:slots]]
+    labels += [(name, "slot") for _, _, name in torch_flags.SLOTS[:slots]]
     return labels
 
 
-def _raw_values(state: _flags.RawState) -> list[Reading]:
+def _raw_values(state: torch_flags.RawState) -> list[Reading]:
     e, b, slots = state
     return [e, b, *slots]
 
@@ -98,7 +98,7 @@ class assert_fp32_flags_unchanged(contextlib.ContextDecorator):  # noqa: N801  (
         if not lines:
             return
         if self._restore:
-            _flags.restore_raw_state(before[1])
+            torch_flags.restore_raw_state(before[1])
         state = "now restored" if self._restore else "left as the block set them"
         msg = f"the block changed torch's float32 precision flags ({state}):\n  " + "\n  ".join(lines)
         raise AssertionError(msg)

@@ -32,16 +32,16 @@ from typing import Any, cast
 
 import torch
 
-from fp32scope import _flags
-from fp32scope._cuda_graphs import capture_cuda_graph
-from fp32scope._dynamo_exclude import dynamo_resets_medium
-from fp32scope._node import node_fp32_precision
-from fp32scope._policy import scope_modules
-from fp32scope._precision import MATMUL_PRECISIONS, Fp32Precision
-from fp32scope._process import current_fp32_precision, set_process_default
-from fp32scope._proxy import Fp32ScopedModule
-from fp32scope._scope import fp32_precision_scope
-from fp32scope._trace import Fp32Trace, Fp32TraceEvent, trace
+from fp32scope._export.cuda_graphs import capture_cuda_graph
+from fp32scope._flags import torch_flags
+from fp32scope._flags.dynamo_exclude import dynamo_resets_medium
+from fp32scope._flags.precision import MATMUL_PRECISIONS, Fp32Precision
+from fp32scope._flags.process import current_fp32_precision, set_process_default
+from fp32scope._flags.scope import fp32_precision_scope
+from fp32scope._wrappers.node import node_fp32_precision
+from fp32scope._wrappers.policy import scope_modules
+from fp32scope._wrappers.proxy import Fp32ScopedModule
+from fp32scope._wrappers.trace import Fp32Trace, Fp32TraceEvent, trace
 
 __all__ = ["DESCRIPTION", "EPILOG", "DemoResult", "NodeResult", "add_arguments", "render", "run", "run_demo"]
 
@@ -350,7 +350,7 @@ def run_demo(
         raise RuntimeError(msg)
     # Before anything is counted: the probe compiles a function of its own (once per process).
     resets = dynamo_resets_medium() if default == "medium" else None
-    saved = _flags.save_raw_state()
+    saved = torch_flags.save_raw_state()
     torch._dynamo.reset()
     breaks_before = _graph_breaks()
     try:
@@ -394,7 +394,7 @@ def run_demo(
             trace=first_request,
         )
     finally:
-        _flags.restore_raw_state(saved)
+        torch_flags.restore_raw_state(saved)
 
 
 def _show(precision: Fp32Precision | None, none: str = "-") -> str:

@@ -20,10 +20,14 @@ from collections.abc import Mapping
 
 import torch
 
-from fp32scope import _flags
 from fp32scope._compat import cpu_capability
-from fp32scope._dynamo_exclude import dynamo_resets_medium
-from fp32scope._precision import Fp32Precision
+from fp32scope._flags import torch_flags
+from fp32scope._flags.dynamo_exclude import dynamo_resets_medium
+from fp32scope._flags.precision import Fp32Precision
+from fp32scope._flags.process import current_fp32_precision
+from fp32scope._wrappers.autocast import CUBLAS_OVERRIDE, NVIDIA_OVERRIDE
+from fp32scope._wrappers.node import node_fp32_precision
+from fp32scope._wrappers.proxy import Fp32ScopedModule, precision_of
 
 __all__ = [
     "DESCRIPTION",
@@ -115,16 +119,21 @@ class Diagnosis:
 
 
 def _raise_problems(readings: dict[str, Reading]) -> list[Problem]:
-    slot = _flags.SLOT_NAMES
+    slot = torch_flags.SLOT_NAMES
     matmul_readers = "Inductor's autotuning, libraries"
     checks = (
-        (_flags.LEGACY_MATMUL, "matmul", (slot["cuda", "matmul"], slot["mkldnn", "matmul"]), matmul_readers),
-        (_flags.LEGACY_CUBLAS, "matmul", (slot["cuda", "matmul"],), matmul_readers),
-        (_flags.LEGACY_CUDNN, "cudnn", (slot["cuda", "conv"], slot["cuda", "rnn"]), "torch.backends.cudnn.flags()"),
+        (torch_flags.LEGACY_MATMUL, "matmul", (slot["cuda", "matmul"], slot["mkldnn", "matmul"]), matmul_readers),
+        (torch_flags.LEGACY_CUBLAS, "matmul", (slot["cuda", "matmul"],), matmul_readers),
+        (
+            torch_flags.LEGACY_CUDNN,
+            "cudnn",
+            (slot["cuda", "conv"], slot["cuda", "rnn"]),
+            "torch.backends.cudnn.flags()",
+        ),
     )
     problems = []
     for legacy, field, new, readers in checks:
-        if readings[legacy] == _flags.RAISES:
+        if readings[legacy] == torch_flags.RAISES:
             shown = ", ".join(f"{name} = {readings[name]!r}" for name in new)
             message = (
                 f"{legacy} raises RuntimeError: torch found that the legacy value it keeps disagrees "
@@ -143,9 +152,9 @@ def _stale(legacy: str, legacy_value: Reading, new: str, new_value: Reading, mea
 
 
 def _stale_problems(readings: dict[str, Reading]) -> list[Problem]:
-    slot = _flags.SLOT_NAMES
+    slot = torch_flags.SLOT_NAMES
     problems = []
-    e = readings[_flags.LEGACY_MATMUL]
+    e = readings[torch_flags.LEGACY_MATMUL]
     if isinstance(e, str) and e in _AGREES_CUDA:
         for backend, agrees, kernels in (
             ("cuda", _AGREES_CUDA, "cuBLAS"),
@@ -158,22 +167,22 @@ def _stale_problems(readings: dict[str, Reading]) -> list[Problem]:
                 problems.append(
                     Problem(
                         "matmul",
-                        (_flags.LEGACY_MATMUL, name),
-                        _stale(_flags.LEGACY_MATMUL, e, name, value, meaning),
+                        (torch_flags.LEGACY_MATMUL, name),
+                        _stale(torch_flags.LEGACY_MATMUL, e, name, value, meaning),
                     )
                 )
-    cublas = readings[_flags.LEGACY_CUBLAS]
+    cublas = readings[torch_flags.LEGACY_CUBLAS]
     name = slot["cuda", "matmul"]
     if isinstance(cublas, bool) and cublas is not (readings[name] == "tf32"):
         meaning = f"cuBLAS float32 matmuls follow {name}"
         problems.append(
             Problem(
                 "matmul",
-                (_flags.LEGACY_CUBLAS, name),
-                _stale(_flags.LEGACY_CUBLAS, cublas, name, readings[name], meaning),
+                (torch_flags.LEGACY_CUBLAS, name),
+                _stale(torch_flags.LEGACY_CUBLAS, cublas, name, readings[name], meaning),
             )
         )
-    cudnn = readings[_flags.LEGACY_CUDNN]
+    cudnn = readings[torch_flags.LEGACY_CUDNN]
     if isinstance(cudnn, bool):
         for op in ("conv", "rnn"):
             name = slot["cuda", op]
@@ -182,8 +191,8 @@ def _stale_problems(readings: dict[str, Reading]) -> list[Problem]:
                 problems.append(
                     Problem(
                         "cudnn",
-                        (_flags.LEGACY_CUDNN, name),
-                        _stale(_flags.LEGACY_CUDNN, cudnn, name, readings[name], meaning),
+                        (torch_flags.LEGACY_CUDNN, name),
+                        _stale(torch_flags.LEGACY_CUDNN, cudnn, name, readings[name], meaning),
                     )
                 )
     return problems
@@ -227,16 +236,14 @@ def _cuda_devices() -> tuple[CudaDevice, ...]:
 
 def diagnose() -> Diagnosis:
     """Read every float32 precision flag (changing none) and check that the two APIs agree."""
-    from fp32scope._process import current_fp32_precision
-
-    readings = _flags.read_all()
+    readings = torch_flags.read_all()
     problems: list[Problem] = []
-    if _flags.HAS_NEW_API:
+    if torch_flags.HAS_NEW_API:
         problems = _raise_problems(readings) + _stale_problems(readings)
     effective = current_fp32_precision()
     return Diagnosis(
         torch_version=str(torch.__version__),
-        has_new_api=_flags.HAS_NEW_API,
+        has_new_api=torch_flags.HAS_NEW_API,
         readings=readings,
         effective=effective._asdict(),
         cuda_available=torch.cuda.is_available(),
@@ -290,7 +297,8 @@ def render(diagnosis: Diagnosis) -> str:
     lines.append("readings:")
     width = max(map(len, d.readings))
     lines.extend(
-        f"  {name:<{width}}  {value if value == _flags.RAISES else repr(value)}" for name, value in d.readings.items()
+        f"  {name:<{width}}  {value if value == torch_flags.RAISES else repr(value)}"
+        for name, value in d.readings.items()
     )
     lines.append(f"effective (fp32scope.current_fp32_precision()): {d.effective}")
     lines.append(_DYNAMO_LINES[d.dynamo_resets_medium])
@@ -315,8 +323,6 @@ def environment_overrides(environ: Mapping[str, str]) -> tuple[str, ...]:
     ``NVIDIA_TF32_OVERRIDE=0`` (NVIDIA's libraries read only "0") override the flags that
     scopes set; other values change nothing and are not reported.
     """
-    from fp32scope._autocast import CUBLAS_OVERRIDE, NVIDIA_OVERRIDE
-
     found = []
     if environ.get(CUBLAS_OVERRIDE) == "1":
         found.append(
@@ -544,8 +550,6 @@ def _unwrap(module: torch.nn.Module) -> tuple[torch.nn.Module, Fp32Precision | N
     """The bare module under proxies and compiled modules, and the precision the proxies apply."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    from fp32scope._proxy import Fp32ScopedModule, precision_of
-
     applied: Fp32Precision | None = None
     while True:  # a proxy around a compiled module around ...: one node, one path
         if isinstance(module, Fp32ScopedModule):
@@ -566,8 +570,6 @@ def _walk(model: torch.nn.Module) -> tuple[list[ModelNode], list[ModelNode]]:
     ``_orig_mod``), each module once, with the precision the enclosing proxies apply; its
     scoped nodes are :func:`~fp32scope.scoped_modules`'s (tested), with what encloses them.
     """
-    from fp32scope._node import node_fp32_precision
-
     scoped: list[ModelNode] = []
     declaring: list[ModelNode] = []
     seen: set[int] = set()

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from fp32scope._flags import FlagReadings
-    from fp32scope._unchanged import assert_fp32_flags_unchanged
+    from fp32scope._flags.torch_flags import FlagReadings
+    from fp32scope._flags.unchanged import assert_fp32_flags_unchanged
 
 __all__ = ["Fp32Flags", "fp32_flags"]
 
@@ -57,7 +57,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if strict:
         # Fail the run at start-up, with the reason, rather than at the first test.
         try:
-            import fp32scope._flags  # noqa: F401
+            import fp32scope._flags.torch_flags  # noqa: F401
         except Exception as exc:
             msg = f"{_STRICT_OPTION} needs fp32scope and torch importable: {exc!r}"
             raise pytest.UsageError(msg) from exc
@@ -68,7 +68,7 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     """In strict mode, save the flags before any fixture of the test is set up."""
     if item.config.stash.get(_strict_key, False):
         # The same check users write in their own tests, entered here and left at teardown.
-        from fp32scope._unchanged import assert_fp32_flags_unchanged
+        from fp32scope._flags.unchanged import assert_fp32_flags_unchanged
 
         check = assert_fp32_flags_unchanged(restore=True)
         check.__enter__()
@@ -113,15 +113,15 @@ class Fp32Flags:
     """What the ``fp32_flags`` fixture yields: the readings before the test, and helpers."""
 
     def __init__(self) -> None:
-        from fp32scope import _flags
+        from fp32scope._flags import torch_flags
 
-        self._flags = _flags
-        self._raw_before = _flags.save_raw_state()
-        #: Every reading torch offered before the test (``fp32scope._flags.read_all()``).
-        self.before: FlagReadings = _flags.read_all()
+        self._flags = torch_flags
+        self._raw_before = torch_flags.save_raw_state()
+        #: Every reading torch offered before the test (``fp32scope._flags.torch_flags.read_all()``).
+        self.before: FlagReadings = torch_flags.read_all()
 
     def readings(self) -> FlagReadings:
-        """Every reading torch offers now; a raising legacy getter reads ``_flags.RAISES``."""
+        """Every reading torch offers now; a raising legacy getter reads ``torch_flags.RAISES``."""
         return self._flags.read_all()
 
     def changed(self) -> dict[str, tuple[Reading, Reading]]:

@@ -44,11 +44,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree
 
-from fp32scope import _dynamo_exclude
 from fp32scope._compat import CURRENT_GRAPH_TASK_KEEPS_GRAPH
 from fp32scope._errors import Fp32BackwardNotScopedWarning, Fp32ScopeError
-from fp32scope._leaf_grads import LeafAccumulation, engine_grad, mute_tensor_hooks, unmute
-from fp32scope._scope import fp32_precision_scope, wrapper_scope
+from fp32scope._flags import dynamo_exclude
+from fp32scope._flags.scope import fp32_precision_scope, wrapper_scope
+from fp32scope._training.leaf_grads import LeafAccumulation, engine_grad, mute_tensor_hooks, unmute
 
 __all__ = ["call_recorded", "grad_enabled", "recording_scope"]
 
@@ -607,7 +607,7 @@ def call_recorded(  # noqa: C901, PLR0912, PLR0913, PLR0915  (one flat pass: run
 
 # Frames only (a compiled parent that calls a wrapper graph-breaks at the wrapper already):
 # all of this runs between the parent's graphs, as plain Python.
-_dynamo_exclude.exclude(
+dynamo_exclude.exclude(
     *(fn for fn in list(globals().values()) if isinstance(fn, FunctionType) and fn.__module__ == __name__),
     Fp32ScopedCall.forward,
     Fp32ScopedCall.backward,

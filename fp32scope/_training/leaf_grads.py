@@ -63,8 +63,8 @@ from typing import Any, Final
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from fp32scope import _dynamo_exclude
 from fp32scope._compat import ENGINE_RUN_BACKWARD
+from fp32scope._flags import dynamo_exclude
 
 __all__ = [
     "ACCUMULATE",
@@ -388,7 +388,7 @@ def _next_key() -> int:
 
 
 # Frames only, as _backward's: all of this runs inside a scoped backward, as plain Python.
-_dynamo_exclude.exclude(
+dynamo_exclude.exclude(
     *(fn for fn in list(globals().values()) if isinstance(fn, FunctionType) and fn.__module__ == __name__),
     _SkipNone.__call__,
     LeafAccumulation.__init__,

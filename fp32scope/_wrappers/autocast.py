@@ -33,10 +33,10 @@ from typing import Any, Final
 
 import torch
 
-from fp32scope import _dynamo_exclude
 from fp32scope._errors import Fp32AutocastWarning
-from fp32scope._precision import Fp32Precision
-from fp32scope._scope import _is_exporting
+from fp32scope._flags import dynamo_exclude
+from fp32scope._flags.precision import Fp32Precision
+from fp32scope._flags.scope import _is_exporting
 
 __all__ = [
     "AutocastPolicy",
@@ -247,4 +247,4 @@ def warn_cublas_override(precision: Fp32Precision | None, name: str) -> None:
 
 # Frames only: these run in a wrapper's eager call, where a compiling caller's Dynamo
 # callback is active; the call they make is the wrapper's, compiled as before.
-_dynamo_exclude.exclude(run_under_autocast, _cast, _warn, _exported, graph_break=False)
+dynamo_exclude.exclude(run_under_autocast, _cast, _warn, _exported, graph_break=False)

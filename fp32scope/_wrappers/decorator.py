@@ -9,14 +9,20 @@ from typing import Any, TypeVar
 
 import torch
 
-from fp32scope import _dynamo_exclude
-from fp32scope._autocast import AutocastPolicy, any_autocast, check_autocast, run_under_autocast, warn_cublas_override
-from fp32scope._backward import call_recorded, grad_enabled, recording_scope
-from fp32scope._node import declared_autocast
-from fp32scope._precision import Fp32Precision, check_backward, check_precision
-from fp32scope._proxy import Fp32ScopedModule
-from fp32scope._scope import fp32_precision_scope, split, wrapper_scope
-from fp32scope._trampoline import active_callback, compiled_call, trampoline_for
+from fp32scope._flags import dynamo_exclude
+from fp32scope._flags.precision import Fp32Precision, check_backward, check_precision
+from fp32scope._flags.scope import fp32_precision_scope, split, wrapper_scope
+from fp32scope._training.backward import call_recorded, grad_enabled, recording_scope
+from fp32scope._wrappers.autocast import (
+    AutocastPolicy,
+    any_autocast,
+    check_autocast,
+    run_under_autocast,
+    warn_cublas_override,
+)
+from fp32scope._wrappers.node import declared_autocast
+from fp32scope._wrappers.proxy import Fp32ScopedModule
+from fp32scope._wrappers.trampoline import active_callback, compiled_call, trampoline_for
 
 __all__ = ["with_fp32_precision"]
 
@@ -109,7 +115,7 @@ def with_fp32_precision(
         _refuse_suspending(target, label)
         if is_module:
             return Fp32ScopedModule(target, checked, name=label, backward=backward, autocast=mode)  # type: ignore[return-value]
-        _dynamo_exclude.ensure()
+        dynamo_exclude.ensure()
         trampoline = trampoline_for(target, label)
         policy = AutocastPolicy(mode, checked, label)
         warn_cublas_override(checked, label)
@@ -145,13 +151,13 @@ def _scoped_function(  # noqa: PLR0913, PLR0917  (private; built once per wrappe
         functools.update_wrapper(scoped, target)
     except AttributeError:  # pragma: no cover  (objects without __dict__ on a callable)
         scoped.__wrapped__ = target  # type: ignore[attr-defined]
-    _dynamo_exclude.mark_function(scoped)
+    dynamo_exclude.mark_function(scoped)
     scoped.__fp32scope_precision__ = precision  # type: ignore[attr-defined]
     return scoped
 
 
 # Every closure made by _scoped_function shares one code object: skip it once.
-_dynamo_exclude.exclude(
+dynamo_exclude.exclude(
     _scoped_function(print, fp32_precision_scope(None), None, False, None, AutocastPolicy(True, None, "")),
     graph_break=False,
 )

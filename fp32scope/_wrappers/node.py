@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from fp32scope._precision import Fp32Precision, check_cudnn, check_matmul
+from fp32scope._flags.precision import Fp32Precision, check_cudnn, check_matmul
+from fp32scope._wrappers.autocast import check_autocast
 
 __all__ = ["node_fp32_precision"]
 
@@ -64,7 +65,5 @@ def declared_autocast(node_name: str, submodule: object) -> bool | None:
     autocast, ``True`` keeps the caller's autocast; see :class:`~fp32scope.Fp32ScopedModule`.
     A bad value raises :class:`TypeError` naming ``node_name`` and the attribute.
     """
-    from fp32scope._autocast import check_autocast
-
     value = getattr(_unwrap(submodule), AUTOCAST_ATTRIBUTE, None)
     return check_autocast(value, field=AUTOCAST_ATTRIBUTE, node=node_name)

@@ -21,10 +21,10 @@ import warnings
 
 import torch
 
-from fp32scope import _dynamo_exclude
 from fp32scope._compat import fsdp2_param_dtype
 from fp32scope._errors import Fp32ParameterDtypeWarning
-from fp32scope._precision import Fp32Precision
+from fp32scope._flags import dynamo_exclude
+from fp32scope._flags.precision import Fp32Precision
 
 __all__ = ["low_precision_parameters", "parameter_dtype_message", "warn_low_precision_parameters"]
 
@@ -77,7 +77,7 @@ def warn_low_precision_parameters(module: torch.nn.Module, precision: Fp32Precis
 
 # Frames only: these run in a wrapper's eager call, where a compiling caller's Dynamo
 # callback is active.
-_dynamo_exclude.exclude(
+dynamo_exclude.exclude(
     warn_low_precision_parameters, low_precision_parameters, parameter_dtype_message, _is_low, graph_break=False
 )
-_dynamo_exclude.exclude(fsdp2_param_dtype, graph_break=False)
+dynamo_exclude.exclude(fsdp2_param_dtype, graph_break=False)

@@ -8,10 +8,10 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from fp32scope._autocast import check_autocast
-from fp32scope._node import node_fp32_precision
-from fp32scope._precision import Fp32Precision, check_backward, check_cudnn, check_matmul, check_precision
-from fp32scope._proxy import Fp32ScopedModule, precision_of
+from fp32scope._flags.precision import Fp32Precision, check_backward, check_cudnn, check_matmul, check_precision
+from fp32scope._wrappers.autocast import check_autocast
+from fp32scope._wrappers.node import node_fp32_precision
+from fp32scope._wrappers.proxy import Fp32ScopedModule, precision_of
 
 __all__ = ["scope_modules", "scoped_modules", "unscope_modules"]
 

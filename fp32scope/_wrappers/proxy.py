@@ -12,8 +12,11 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import wrapt
 
-from fp32scope import _dynamo_exclude
-from fp32scope._autocast import (
+from fp32scope._flags import dynamo_exclude
+from fp32scope._flags.precision import Fp32Precision, check_backward, check_precision
+from fp32scope._flags.scope import fp32_precision_scope, wrapper_scope
+from fp32scope._training.backward import call_recorded, grad_enabled, recording_scope
+from fp32scope._wrappers.autocast import (
     AutocastPolicy,
     any_autocast,
     asks_full_float32,
@@ -21,12 +24,9 @@ from fp32scope._autocast import (
     run_under_autocast,
     warn_cublas_override,
 )
-from fp32scope._backward import call_recorded, grad_enabled, recording_scope
-from fp32scope._node import declared_autocast
-from fp32scope._param_dtype import warn_low_precision_parameters
-from fp32scope._precision import Fp32Precision, check_backward, check_precision
-from fp32scope._scope import fp32_precision_scope, wrapper_scope
-from fp32scope._trampoline import active_callback, compiled_call, trampoline_for
+from fp32scope._wrappers.node import declared_autocast
+from fp32scope._wrappers.param_dtype import warn_low_precision_parameters
+from fp32scope._wrappers.trampoline import active_callback, compiled_call, trampoline_for
 
 __all__ = ["SELF_RETURNING_METHODS", "Fp32ScopedModule", "precision_of"]
 
@@ -142,7 +142,7 @@ class Fp32ScopedModule(_ProxyBase):
         mode = check_autocast(autocast)
         if mode is None:
             mode = declared_autocast(label, module)
-        _dynamo_exclude.ensure()
+        dynamo_exclude.ensure()
         super().__init__(module)
         self._self_precision = checked
         self._self_name = label
@@ -335,7 +335,7 @@ def _scoped_forward(  # noqa: PLR0913, PLR0917  (one closure per property read: 
         with scope:
             return fn(*args, **kwargs)
 
-    _dynamo_exclude.mark_function(scoped_forward)
+    dynamo_exclude.mark_function(scoped_forward)
     scoped_forward.__wrapped__ = forward  # type: ignore[attr-defined]
     return scoped_forward
 
@@ -369,8 +369,8 @@ def _own_dict(proxy: Fp32ScopedModule) -> dict[str, Any]:
 
 
 # Every closure of _scoped_forward shares one code object: marking one covers them all.
-_dynamo_exclude.exclude(Fp32ScopedModule.__call__)
-_dynamo_exclude.exclude(
+dynamo_exclude.exclude(Fp32ScopedModule.__call__)
+dynamo_exclude.exclude(
     _scoped_forward(
         print, fp32_precision_scope(None), False, fp32_precision_scope(None), AutocastPolicy(True, None, "")
     ),
@@ -381,7 +381,7 @@ _dynamo_exclude.exclude(
 # inlines the property (torch 2.15) still does.
 _forward_getter = cast("property", Fp32ScopedModule.forward).fget
 assert _forward_getter is not None
-_dynamo_exclude.exclude(_forward_getter, graph_break=False)
+dynamo_exclude.exclude(_forward_getter, graph_break=False)
 
 
 def precision_of(obj: object) -> Fp32Precision | None:
@@ -400,7 +400,7 @@ def precision_of(obj: object) -> Fp32Precision | None:
 
 # Pickles name the public home, which stays when private modules move: the class as
 # fp32scope.Fp32ScopedModule, its rebuilder as fp32scope.Fp32ScopedModule._rebuild (old
-# pickles name fp32scope._proxy._rebuild, which stays too).
+# pickles name fp32scope._wrappers.proxy._rebuild, which stays too).
 Fp32ScopedModule.__module__ = _rebuild.__module__ = "fp32scope"
 _rebuild.__qualname__ = "Fp32ScopedModule._rebuild"
 Fp32ScopedModule._rebuild = staticmethod(_rebuild)  # type: ignore[attr-defined]

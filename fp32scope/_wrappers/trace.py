@@ -1,44 +1,22 @@
-"""Seeing what each scoped call ran in: :func:`trace`, and ranges for torch's profiler.
+"""Seeing what each scoped call ran in: :func:`trace`, its events and their table.
 
-Every wrapper scope (the scope of an :class:`~fp32scope.Fp32ScopedModule` or a
-:func:`~fp32scope.with_fp32_precision` function, and the scope a recorded call's backward
-runs in) calls :func:`entered` at the end of its ``__enter__`` while a :func:`trace` is open
-or a profiler records, and :func:`exited` at the start of its ``__exit__`` while an entry
-left a profiler range or a trace event to close. Otherwise each scoped call pays two cheap
-reads on entry (this module's list of open traces, and the Python flag torch's profilers
-set while they record) and one on exit.
+The scope's layer calls this layer's recorder (installed with the first trace, see
+``fp32scope._flags.hooks``) at each wrapper scope's entry while a trace is open: the event
+holds what the flags read inside the scope, and is read again as the call returns.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple
+from typing import Literal, NamedTuple, cast
 
-import torch.autograd.profiler
+from fp32scope._flags.hooks import Phase, install_recorder, open_traces, show
+from fp32scope._flags.precision import Fp32Precision
+from fp32scope._flags.process import current_fp32_precision
 
-from fp32scope import _dynamo_exclude
-from fp32scope._precision import Fp32Precision
-
-if TYPE_CHECKING:
-    from fp32scope._scope import fp32_precision_scope
-
-__all__ = [
-    "Fp32Trace",
-    "Fp32TraceEvent",
-    "entered",
-    "exited",
-    "open_ranges",
-    "open_traces",
-    "profiler_state",
-    "trace",
-]
-
-Phase = Literal["forward", "backward"]
-FORWARD: Final = "forward"
-BACKWARD: Final = "backward"
+__all__ = ["Fp32Trace", "Fp32TraceEvent", "trace"]
 
 
 class Fp32TraceEvent(NamedTuple):
@@ -70,12 +48,6 @@ class Fp32TraceEvent(NamedTuple):
         )
 
 
-def _show(precision: Fp32Precision) -> str:
-    # matmul precision/cuDNN TF32, as the demo's table shows them; "-" for a field left alone.
-    cudnn = {None: "", True: "/cudnn-tf32", False: "/cudnn-fp32"}[precision.cudnn_allow_tf32]
-    return f"{precision.matmul or '-'}{cudnn}"
-
-
 class Fp32Trace(list[Fp32TraceEvent]):
     """The events of one :func:`trace`, in call order; ``str()`` gives them as a table."""
 
@@ -84,7 +56,7 @@ class Fp32Trace(list[Fp32TraceEvent]):
         header = ("node", "phase", "precision", "observed", "match", "thread")
         rows = [header]
         rows += [
-            (e.name, e.phase, _show(e.precision), _show(e.observed), "yes" if e.matches else "NO", e.thread)
+            (e.name, e.phase, show(e.precision), show(e.observed), "yes" if e.matches else "NO", e.thread)
             for e in list(self)
         ]
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -94,89 +66,27 @@ class Fp32Trace(list[Fp32TraceEvent]):
         return self.table()
 
 
-# The lists of the open traces, outermost first. Changed under _lock (in place: the scope
-# module holds this list); read without it, as a copy (a slice is atomic under the GIL),
-# from whichever thread runs a scoped call. list.append of an event is atomic as well, so
-# events from several threads (an autograd device thread running a backward, a forward
-# thread) land whole, in the order they happened.
-open_traces: list[Fp32Trace] = []
 _lock = threading.Lock()
-# What a traced or profiled entry leaves for its exit, innermost last: (scope depth,
-# record_function) for each open profiler range, and (scope depth, event) for each event a
-# trace recorded, which the exit checks against the flags the wrapped code left. Scoped
-# calls nest strictly across threads (one thread holds scopes at a time; an autograd device
-# thread only while the owner waits on its backward), so the depth at entry says which exit
-# ends it. One list, so that a scope's exit pays one read for both features.
-open_ranges: list[tuple[int, Any]] = []
-# Read on every scoped call: torch's own Python flag, set while torch.profiler.profile or
-# torch.autograd.profiler.profile (emit_nvtx, emit_itt) records; a C call would cost more.
-# Read from the profiler module's dict, not the module: a module of torch among a frame's
-# globals makes Dynamo's frame callback convert that frame (the scope's __enter__).
-_record_function = torch.autograd.profiler.record_function
-_current: list[Callable[[], Fp32Precision]] = []
-_PROFILER_FLAG: Final = "_is_profiler_enabled"
-
-# torch's own Python flag for "a profiler records" (every supported torch has it, 2.2 and
-# later), read through the module's dict (see above).
-profiler_state: dict[str, Any] = vars(torch.autograd.profiler)
 
 
-def range_name(name: str, phase: str, precision: Fp32Precision) -> str:
-    """The profiler range name of a scoped call: ``fp32scope <name> <phase> <precision>``."""
-    return f"fp32scope {name} {phase} {_show(precision)}"
+def _record(name: str, phase: Phase, precision: Fp32Precision) -> Fp32TraceEvent:
+    # Called at a wrapper scope's entry, after it applied its precision, while a trace is
+    # open. list.append is atomic: events from several threads (an autograd device thread
+    # running a backward, a forward thread) land whole, in the order they happened.
+    event = Fp32TraceEvent(name, phase, precision, current_fp32_precision(), threading.current_thread().name)
+    for events in open_traces[:]:
+        events.append(event)
+    return event
 
 
-def entered(scope: fp32_precision_scope, depth: int) -> None:
-    """Record a wrapper scope's entry (``depth``: the scope nesting depth, this one included).
-
-    Runs after the scope applied its precision. Should recording fail, the scope is exited
-    (the flags restored) before the error propagates: its ``with`` never will.
-    """
-    name = scope._name
-    if name is None:  # a plain fp32_precision_scope, not a wrapper's
+def _returned(event: object) -> None:
+    # Called as the call returns, before its scope restores the flags: an event whose
+    # wrapped code changed them gets what they hold now, in every open trace.
+    now = current_fp32_precision()
+    made = cast("Fp32TraceEvent", event)
+    if now == made.observed:
         return
-    try:
-        phase: Phase = getattr(scope, "_phase", FORWARD)
-        precision = scope.precision
-        if precision is None:  # pragma: no cover  (a scope that applies nothing has no entry)
-            return
-        traces = open_traces[:]
-        if traces and _current:
-            event = Fp32TraceEvent(name, phase, precision, _current[0](), threading.current_thread().name)
-            for events in traces:
-                events.append(event)
-            open_ranges.append((depth, event))
-        if profiler_state[_PROFILER_FLAG]:
-            rf = _record_function(range_name(name, phase, precision))
-            rf.__enter__()  # type: ignore[no-untyped-call]
-            open_ranges.append((depth, rf))
-    except BaseException:
-        from fp32scope._scope import fp32_precision_scope
-
-        fp32_precision_scope.__exit__(scope, *sys.exc_info())
-        raise
-
-
-def exited(depth: int, *, observe: bool = True) -> None:
-    """Close what the entry at ``depth`` left open: its profiler range, its trace event.
-
-    Runs before the scope restores the flags. With ``observe``, an event whose wrapped code
-    changed the flags gets, as ``observed``, the precision they hold now, in every open trace.
-    """
-    while open_ranges and open_ranges[-1][0] == depth:
-        left = open_ranges.pop()[1]
-        if type(left) is Fp32TraceEvent:
-            if observe:
-                _observe_again(left)
-        else:
-            left.__exit__(None, None, None)
-
-
-def _observe_again(event: Fp32TraceEvent) -> None:
-    now = _current[0]()
-    if now == event.observed:
-        return
-    new = event._replace(observed=now)
+    new = made._replace(observed=now)
     for events in open_traces[:]:
         for i in range(len(events) - 1, -1, -1):
             if events[i] is event:
@@ -206,13 +116,9 @@ def trace() -> Iterator[Fp32Trace]:
     >>> [(e.name, e.phase, e.observed.matmul) for e in events]
     [('Linear', 'forward', 'highest'), ('Linear', 'backward', 'highest')]
     """
-    if not _current:
-        from fp32scope._process import current_fp32_precision
-
-        # Called from a wrapper's frames, which a compiled caller's Dynamo must not convert
-        # (it would read the flags once, at trace time).
-        _dynamo_exclude.exclude(current_fp32_precision, graph_break=False)
-        _current.append(current_fp32_precision)
+    # current_fp32_precision is called from a wrapper's frames, which a compiled caller's
+    # Dynamo must not convert (it would read the flags once, at trace time).
+    install_recorder(_record, _returned, current_fp32_precision)
     events = Fp32Trace()
     with _lock:
         open_traces.append(events)
@@ -223,8 +129,6 @@ def trace() -> Iterator[Fp32Trace]:
             # By identity: two traces' lists may be equal.
             del open_traces[next(i for i, t in enumerate(open_traces) if t is events)]
 
-
-_dynamo_exclude.exclude(entered, exited, _observe_again, range_name, _show, graph_break=False)
 
 # Pickles, reprs and tracebacks name the public home, which stays when private modules move.
 Fp32TraceEvent.__module__ = "fp32scope"

@@ -31,8 +31,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from fp32scope import _dynamo_exclude
 from fp32scope._compat import active_callback
+from fp32scope._flags import dynamo_exclude
 
 __all__ = ["active_callback", "compiled_call", "new_trampoline", "trampoline_for"]
 
@@ -86,7 +86,7 @@ def compiled_call(fn: Callable[..., Any], trampoline: Callable[..., Any] | None)
 
 
 # Frames only: these run in the wrapper's eager call, where Dynamo's callback is active.
-_dynamo_exclude.exclude(
+dynamo_exclude.exclude(
     *(
         fn
         for fn in (compiled_call, trampoline_for, _compiles_itself, new_trampoline, active_callback)

@@ -17,7 +17,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 from torch._functorch._aot_autograd.utils import make_boxed_func
 
-from fp32scope import _trampoline
+from fp32scope._wrappers import trampoline as _trampoline
 from tests._support.common import DEFAULT
 
 #: The feature width of the input :func:`run` feeds.

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp32scope import _compat, _flags
+from fp32scope import _compat
+from fp32scope._flags import torch_flags as _flags
 
 #: torch's release, e.g. "2.13.0" (without the local "+cpu" part).
 TORCH_RELEASE = _compat.TORCH_RELEASE

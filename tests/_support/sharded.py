@@ -30,11 +30,11 @@ from torch.utils.checkpoint import checkpoint
 
 from fp32scope import (
     Fp32ScopedModule,
-    _flags,
     scope_modules,
     set_process_default,
     with_fp32_precision,
 )
+from fp32scope._flags import torch_flags as _flags
 from tests._support import probe as probes
 from tests._support.common import DEFAULT, FULL
 from tests._support.probe import probe

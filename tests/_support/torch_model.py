@@ -23,7 +23,7 @@ from typing import Any
 import hypothesis.strategies as st
 import torch
 
-from fp32scope import _flags
+from fp32scope._flags import torch_flags as _flags
 
 LEGACY_SM_CUDA = {"highest": "ieee", "high": "tf32", "medium": "tf32"}
 LEGACY_SM_MKLDNN = {"highest": "ieee", "high": "tf32", "medium": "bf16"}

@@ -2,7 +2,7 @@
 
 These run on every supported torch. Where a release differs, the test says so: on torch 2.4
 to 2.8 every Dynamo compile turns a "medium" default into "high" (see
-fp32scope._dynamo_exclude.dynamo_resets_medium), so the tests that measure under a "medium"
+fp32scope._flags.dynamo_exclude.dynamo_resets_medium), so the tests that measure under a "medium"
 default set it again after the compiling calls, as the docs tell an engine to; and torch
 2.4's Dynamo reports a disabled function by name, without the reason the library gives.
 """
@@ -23,11 +23,11 @@ from torch._dynamo.utils import counters
 from fp32scope import (
     Fp32Precision,
     Fp32ScopedModule,
-    _flags,
     fp32_precision_scope,
     set_process_default,
     with_fp32_precision,
 )
+from fp32scope._flags import torch_flags as _flags
 from tests._support.common import FULL
 from tests._support.compiled import forbid_recompiles
 

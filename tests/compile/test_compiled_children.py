@@ -26,12 +26,12 @@ from fp32scope import (
     Fp32EagerFallbackWarning,
     Fp32ScopedModule,
     _compat,
-    _eager_fallback,
-    _trampoline,
     fp32_precision_scope,
     set_process_default,
     with_fp32_precision,
 )
+from fp32scope._flags import eager_fallback as _eager_fallback
+from fp32scope._wrappers import trampoline as _trampoline
 from tests._support.common import DEFAULT, FULL
 from tests._support.compiled import (
     WIDTH,

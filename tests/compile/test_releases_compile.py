@@ -35,13 +35,13 @@ from fp32scope import (
     Fp32Precision,
     Fp32ScopedModule,
     _compat,
-    _eager_fallback,
-    _flags,
     fp32_precision_scope,
     set_process_default,
     with_fp32_precision,
 )
-from fp32scope._dynamo_exclude import _REASON, dynamo_resets_medium
+from fp32scope._flags import eager_fallback as _eager_fallback
+from fp32scope._flags import torch_flags as _flags
+from fp32scope._flags.dynamo_exclude import _REASON, dynamo_resets_medium
 from tests._support.common import COMPILING_MESSAGE, FULL
 from tests._support.compiled import forbid_recompiles
 

@@ -67,7 +67,7 @@ def test_pytest_plugin_suite() -> None:
 
 
 def _aoti_missing() -> str | None:
-    from fp32scope._export import _aoti_missing
+    from fp32scope._export.export import _aoti_missing
 
     return _aoti_missing()
 

@@ -33,16 +33,16 @@ from fp32scope import (
     Fp32Precision,
     Fp32ScopedModule,
     Fp32ScopeError,
-    _dynamo_exclude,
-    _export,
-    _export_record,
-    _flags,
     current_fp32_precision,
     fp32_precision_scope,
     precision_of,
     with_fp32_precision,
 )
-from fp32scope._precision import MatmulPrecision
+from fp32scope._export import export as _export
+from fp32scope._export import record as _export_record
+from fp32scope._flags import dynamo_exclude as _dynamo_exclude
+from fp32scope._flags import torch_flags as _flags
+from fp32scope._flags.precision import MatmulPrecision
 from tests._support.common import ROOT
 from tests._support.releases import TORCH_RELEASE, make_unusual_state
 

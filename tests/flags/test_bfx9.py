@@ -16,14 +16,14 @@ from fp32scope import (
     Fp32Precision,
     Fp32ScopedModule,
     _compat,
-    _flags,
     current_fp32_precision,
     fp32_precision_scope,
     node_fp32_precision,
     set_process_default,
     with_fp32_precision,
 )
-from fp32scope._export_record import MATMUL_KEY, read_record, record
+from fp32scope._export.record import MATMUL_KEY, read_record, record
+from fp32scope._flags import torch_flags as _flags
 from tests._support.common import BoomError
 from tests._support.releases import needs_bfx9, needs_new_api, needs_no_bfx9
 

@@ -19,14 +19,14 @@ from fp32scope import (
     Fp32Precision,
     Fp32ScopeError,
     _compat,
-    _flags,
-    _scope,
     fp32_precision_scope,
     node_fp32_precision,
     set_process_default,
     with_fp32_precision,
 )
-from fp32scope._precision import MATMUL_PRECISIONS
+from fp32scope._flags import scope as _scope
+from fp32scope._flags import torch_flags as _flags
+from fp32scope._flags.precision import MATMUL_PRECISIONS
 from tests._support.releases import needs_no_bfx9
 
 

@@ -12,11 +12,11 @@ from fp32scope import (
     Fp32Precision,
     Fp32ScopedModule,
     Fp32ScopeError,
-    _flags,
     current_fp32_precision,
     fp32_precision_scope,
     set_process_default,
 )
+from fp32scope._flags import torch_flags as _flags
 from tests._support.common import ALL
 from tests._support.releases import make_unusual_state, needs_new_api
 from tests._support.torch_model import TorchModel, Write, apply_writes, flag_writes

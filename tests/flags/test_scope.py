@@ -8,7 +8,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from fp32scope import Fp32FlagsChangedWarning, Fp32Precision, Fp32ScopeError, _flags, _scope, fp32_precision_scope
+from fp32scope import Fp32FlagsChangedWarning, Fp32Precision, Fp32ScopeError, fp32_precision_scope
+from fp32scope._flags import scope as _scope
+from fp32scope._flags import torch_flags as _flags
 from tests._support.common import ALL, COMPILING_MESSAGE, BoomError
 from tests._support.releases import TORCH_RELEASE, make_unusual_state, needs_legacy_only, needs_new_api
 from tests._support.torch_model import HAS_ONEDNN_BOOL, read_onednn_bool

@@ -23,7 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from fp32scope import Fp32FlagsChangedWarning, Fp32Precision, _compat, _flags, _scope, fp32_precision_scope
+from fp32scope import Fp32FlagsChangedWarning, Fp32Precision, _compat, fp32_precision_scope
+from fp32scope._flags import scope as _scope
+from fp32scope._flags import torch_flags as _flags
 from tests._support.common import BoomError
 from tests._support.torch_model import (
     APPLIED_CUDA,

@@ -12,11 +12,11 @@ import torch
 from fp32scope import (
     Fp32Precision,
     Fp32ScopeError,
-    _flags,
     current_fp32_precision,
     fp32_precision_scope,
     set_process_default,
 )
+from fp32scope._flags import torch_flags as _flags
 
 
 @contextmanager

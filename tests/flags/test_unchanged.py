@@ -8,7 +8,8 @@ import pytest
 import torch
 from hypothesis import given, note, settings
 
-from fp32scope import Fp32Precision, Fp32ScopedModule, _flags, assert_fp32_flags_unchanged, fp32_precision_scope
+from fp32scope import Fp32Precision, Fp32ScopedModule, assert_fp32_flags_unchanged, fp32_precision_scope
+from fp32scope._flags import torch_flags as _flags
 from tests._support.releases import needs_new_api
 from tests._support.torch_model import TorchModel, Write, apply_writes, flag_writes
 

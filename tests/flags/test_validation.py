@@ -13,13 +13,13 @@ import fp32scope
 from fp32scope import (
     Fp32Precision,
     Fp32ScopedModule,
-    _flags,
     fp32_precision_scope,
     node_fp32_precision,
     set_process_default,
     with_fp32_precision,
 )
-from fp32scope._precision import MATMUL_PRECISIONS
+from fp32scope._flags import torch_flags as _flags
+from fp32scope._flags.precision import MATMUL_PRECISIONS
 from tests._support.releases import make_unusual_state
 
 

@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 import torch
 
-from fp32scope import Fp32Precision, _flags
+from fp32scope import Fp32Precision
 from fp32scope.__main__ import main
-from fp32scope._demo import _TRACE_TITLE, NodeResult, run_demo
-from fp32scope._dynamo_exclude import dynamo_resets_medium
+from fp32scope._flags import torch_flags as _flags
+from fp32scope._flags.dynamo_exclude import dynamo_resets_medium
+from fp32scope._tools.demo import _TRACE_TITLE, NodeResult, run_demo
 from tests._support.common import ROOT
 
 HIGH = {"matmul": "high", "cudnn_allow_tf32": True}

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from fp32scope import _flags
 from fp32scope.__main__ import main
-from fp32scope._dynamo_exclude import dynamo_resets_medium
+from fp32scope._flags import torch_flags as _flags
+from fp32scope._flags.dynamo_exclude import dynamo_resets_medium
 from tests._support.common import ROOT
 
 MATMUL = _flags.LEGACY_MATMUL

@@ -9,21 +9,21 @@ import sys
 import pytest
 import torch
 
-from fp32scope import _flags
+from fp32scope._flags import torch_flags as _flags
 from tests._support.common import ROOT
 from tests._support.releases import needs_new_api
 
 pytest_plugins = ["pytester"]
 
-PLUGIN = ROOT / "fp32scope" / "_pytest_plugin.py"
+PLUGIN = ROOT / "fp32scope" / "_tools" / "pytest_plugin.py"
 
 # Installed, the entry point loads the plugin in every run; from a bare checkout, name it.
 _INSTALLED = any(ep.name == "fp32scope" for ep in importlib.metadata.entry_points(group="pytest11"))
-LOAD = () if _INSTALLED else ("-p", "fp32scope._pytest_plugin")
+LOAD = () if _INSTALLED else ("-p", "fp32scope._tools.pytest_plugin")
 
 LEAKING = """
 import torch
-from fp32scope import _flags
+from fp32scope._flags import torch_flags as _flags
 
 def test_leak():
     torch.set_float32_matmul_precision("medium")
@@ -86,7 +86,8 @@ def test_strict_accepts_tests_that_restore(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("""
         import pytest
         import torch
-        from fp32scope import Fp32Precision, _flags, fp32_precision_scope
+        from fp32scope import Fp32Precision, fp32_precision_scope
+        from fp32scope._flags import torch_flags as _flags
 
         @pytest.fixture
         def medium():
@@ -201,7 +202,9 @@ def test_plugin_module_imports_no_torch() -> None:
 
 def test_loading_the_plugin_imports_no_torch() -> None:
     # pytest loads the plugin in every run of an environment with fp32scope installed.
-    code = "import sys, fp32scope._pytest_plugin, fp32scope; print(sorted(m for m in sys.modules if m == 'torch'))"
+    code = (
+        "import sys, fp32scope._tools.pytest_plugin, fp32scope; print(sorted(m for m in sys.modules if m == 'torch'))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)  # noqa: S603
     assert done.stdout.strip() == "[]"
 

@@ -27,13 +27,13 @@ from fp32scope import (
     Fp32Precision,
     Fp32ScopedModule,
     Fp32ScopeError,
-    _flags,
     current_fp32_precision,
     fp32_precision_scope,
     set_process_default,
     trace,
     with_fp32_precision,
 )
+from fp32scope._flags import torch_flags as _flags
 from tests._support import probe as probes
 from tests._support.common import DEFAULT, FULL
 from tests._support.probe import backward, probe
@@ -496,12 +496,12 @@ def test_the_trace_names_each_phase_of_a_scoped_call() -> None:
 
 
 def test_the_profiler_range_of_a_scoped_call_ends_with_the_call() -> None:
-    from fp32scope import _trace
+    from fp32scope._flags import hooks as _hooks
 
     head = Fp32ScopedModule(torch.nn.Linear(3, 2), FULL, name="head")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         torch.autograd.backward(head(torch.ones(2, 3, requires_grad=True)).sum())
-        assert _trace.open_ranges == []  # each range the calls opened is closed
+        assert _hooks.open_ranges == []  # each range the calls opened is closed
         torch.ones(2).mul(3)  # after the calls: in no range of theirs
     ranges = [e for e in prof.events() if e.name.startswith("fp32scope head")]
     assert [e.name for e in ranges] == [

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp32scope import Fp32ScopedModule, _leaf_grads, set_process_default, with_fp32_precision
+from fp32scope import Fp32ScopedModule, set_process_default, with_fp32_precision
+from fp32scope._training import leaf_grads as _leaf_grads
 from tests._support.common import FULL, PythonIdentity
 
 _COPIES = {"copy_", "clone", "_to_copy", "copy"}

@@ -21,7 +21,8 @@ from typing import Any, cast
 import pytest
 import torch
 
-from fp32scope import Fp32ScopedModule, _leaf_grads, set_process_default, with_fp32_precision
+from fp32scope import Fp32ScopedModule, set_process_default, with_fp32_precision
+from fp32scope._training import leaf_grads as _leaf_grads
 from tests._support.common import FULL, PythonIdentity
 
 # The same numerics on both sides: the comparison is about hooks, not precision.
@@ -282,7 +283,7 @@ def test_a_hook_the_node_puts_on_its_argument_fires_once(create_graph: bool) -> 
         def node(h: torch.Tensor) -> torch.Tensor:
             h.register_hook(lambda g: seen.append(g.detach().clone()))  # type: ignore[no-untyped-call]
             # A Python autograd node inside, as the other tests here have: the leaves are then
-            # accumulated inside the nested engine (fp32scope._leaf_grads).
+            # accumulated inside the nested engine (fp32scope._training.leaf_grads).
             h = _ReadGradAfter.apply(h, [], list(linear.parameters()))  # type: ignore[no-untyped-call]
             return torch.tanh(linear(h))
 

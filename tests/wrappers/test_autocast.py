@@ -29,12 +29,12 @@ from fp32scope import (
     Fp32ParameterDtypeWarning,
     Fp32Precision,
     Fp32ScopedModule,
-    _autocast,
     _compat,
     fp32_precision_scope,
     with_fp32_precision,
 )
-from fp32scope._doctor import environment_overrides
+from fp32scope._tools.doctor import environment_overrides
+from fp32scope._wrappers import autocast as _autocast
 from tests._support.autocast_model import BF16, STEPS, HandRouter, Router, pair, train
 from tests._support.common import FULL, ROOT
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from fp32scope import Fp32Precision, Fp32ScopedModule, _flags, precision_of, with_fp32_precision
+from fp32scope import Fp32Precision, Fp32ScopedModule, precision_of, with_fp32_precision
+from fp32scope._flags import torch_flags as _flags
 from tests._support.common import FULL, BoomError
 
 

@@ -23,8 +23,8 @@ from fp32scope import (
     set_process_default,
     unscope_modules,
 )
-from fp32scope._policy import _walk
-from fp32scope._precision import MATMUL_PRECISIONS
+from fp32scope._flags.precision import MATMUL_PRECISIONS
+from fp32scope._wrappers.policy import _walk
 from tests._support.common import DEFAULT, FULL
 from tests._support.compiled import WIDTH, Recording, check_dynamo_never_failed_in_the_package, run
 from tests._support.releases import TORCH_RELEASE

@@ -9,8 +9,9 @@ import pickle
 import pytest
 import torch
 
-from fp32scope import Fp32Precision, Fp32ScopedModule, _flags, precision_of
-from fp32scope._proxy import SELF_RETURNING_METHODS
+from fp32scope import Fp32Precision, Fp32ScopedModule, precision_of
+from fp32scope._flags import torch_flags as _flags
+from fp32scope._wrappers.proxy import SELF_RETURNING_METHODS
 from tests._support.common import FULL
 
 

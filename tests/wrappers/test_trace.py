@@ -15,13 +15,13 @@ from fp32scope import (
     Fp32ScopedModule,
     Fp32Trace,
     Fp32TraceEvent,
-    _scope,
-    _trace,
     fp32_precision_scope,
     set_process_default,
     trace,
     with_fp32_precision,
 )
+from fp32scope._flags import hooks as _hooks
+from fp32scope._flags import scope as _scope
 from tests._support.common import DEFAULT, FULL
 from tests._support.probe import backward
 
@@ -32,8 +32,8 @@ HIGHEST = Fp32Precision("highest")
 def default() -> Iterator[None]:
     set_process_default(DEFAULT)
     yield
-    assert _trace.open_traces == []
-    assert _trace.open_ranges == []
+    assert _hooks.open_traces == []
+    assert _hooks.open_ranges == []
 
 
 def linear(precision: Fp32Precision | None = FULL, name: str = "head") -> Fp32ScopedModule:
@@ -138,7 +138,7 @@ def test_calls_outside_the_trace_are_not_recorded() -> None:
         pass
     head(torch.ones(1, 3))
     assert events == []
-    assert _trace.open_traces == []
+    assert _hooks.open_traces == []
 
 
 def test_plain_scopes_and_wrappers_that_change_nothing_make_no_event() -> None:
@@ -168,7 +168,7 @@ def test_the_same_trace_is_not_left_open_by_an_error() -> None:
         msg = "boom"
         raise ValueError(msg)
     assert len(events) == 1
-    assert _trace.open_traces == []
+    assert _hooks.open_traces == []
 
 
 def test_a_call_on_another_thread_is_recorded_with_its_thread() -> None:
@@ -298,7 +298,7 @@ class _Refused:
 def test_a_failure_while_recording_leaves_the_flags_restored(monkeypatch: pytest.MonkeyPatch) -> None:
     # The profiler range cannot be opened (an interrupt at that moment): the scope was
     # applied already, and its ``with`` never exits, so recording must restore it.
-    monkeypatch.setattr(_trace, "_record_function", _Refused)
+    monkeypatch.setattr(_hooks, "_record_function", _Refused)
     head = linear()
     before = fp32scope.current_fp32_precision()
     with torch.profiler.profile(), pytest.raises(KeyboardInterrupt):
@@ -359,14 +359,14 @@ def test_no_range_without_a_profiler_and_none_left_open_across_its_start() -> No
         # gets one, and the outer exit ends nothing.
         with torch.profiler.profile() as prof:
             y: torch.Tensor = head(x)
-            open_inside.append(len(_trace.open_ranges))
+            open_inside.append(len(_hooks.open_ranges))
         assert range_names(prof.events()) == ["fp32scope head forward highest/cudnn-fp32"]
         return y
 
     with torch.no_grad():
         outer(torch.ones(1, 3))
         head(torch.ones(1, 3))
-        assert _trace.open_ranges == []
+        assert _hooks.open_ranges == []
     assert open_inside == [0]
 
 
@@ -376,11 +376,11 @@ def test_a_profiler_stopped_inside_a_call_leaves_no_range_open() -> None:
     @with_fp32_precision(FULL, name="stops")
     def stops() -> int:
         prof.stop()
-        return len(_trace.open_ranges)
+        return len(_hooks.open_ranges)
 
     prof.start()
     assert stops() == 1  # its range opened while the profiler recorded
-    assert _trace.open_ranges == []
+    assert _hooks.open_ranges == []
     # torch 2.4's profiler drops a range still open when it stops; later releases keep it.
     assert range_names(prof.events()) in ([], ["fp32scope stops forward highest/cudnn-fp32"])  # type: ignore[no-untyped-call]
 
@@ -393,7 +393,7 @@ def test_a_range_ends_when_the_call_raises() -> None:
 
     with torch.profiler.profile() as prof, pytest.raises(RuntimeError, match="boom"):
         fails()
-    assert _trace.open_ranges == []
+    assert _hooks.open_ranges == []
     assert range_names(prof.events()) == ["fp32scope fails forward highest/cudnn-fp32"]
 
 

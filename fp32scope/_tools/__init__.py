@@ -1,0 +1,6 @@
+"""Layer 5, the tools: the ``demo`` and ``doctor`` commands and the pytest plugin.
+
+May import: every layer below, ``fp32scope._errors``, ``fp32scope._compat``, torch. The
+pytest plugin imports torch and the layers only when a test uses it (pytest loads it in
+every run), so this package's ``__init__`` imports nothing.
+"""
