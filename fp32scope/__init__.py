@@ -13,6 +13,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from fp32scope._advise import Fp32Advice, Fp32AdviceNode, advise
     from fp32scope._cuda_graphs import CapturedCudaGraph, capture_cuda_graph
     from fp32scope._decorator import with_fp32_precision
     from fp32scope._errors import (
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 # loaded by every pytest run of an environment that has fp32scope, and it must not import
 # torch (about a second) unless a test uses it.
 _HOMES = {
+    "Fp32Advice": "_advise",
+    "Fp32AdviceNode": "_advise",
+    "advise": "_advise",
     "CapturedCudaGraph": "_cuda_graphs",
     "capture_cuda_graph": "_cuda_graphs",
     "with_fp32_precision": "_decorator",
@@ -92,6 +96,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CapturedCudaGraph",
+    "Fp32Advice",
+    "Fp32AdviceNode",
     "Fp32AutocastWarning",
     "Fp32BackwardNotScopedWarning",
     "Fp32EagerFallbackWarning",
@@ -103,6 +109,7 @@ __all__ = [
     "Fp32Trace",
     "Fp32TraceEvent",
     "ScopedAOTIModel",
+    "advise",
     "aoti_compile_and_package",
     "aoti_load_package",
     "assert_fp32_flags_unchanged",
