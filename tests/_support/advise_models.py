@@ -24,11 +24,12 @@ class NearTieMoE(torch.nn.Module):
         super().__init__()
         generator = torch.Generator().manual_seed(0)
         self.router = torch.nn.Linear(width, experts, bias=False)
-        self.experts = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(experts))
+        linears = [torch.nn.Linear(width, width) for _ in range(experts)]
+        self.experts = torch.nn.ModuleList(linears)
         with torch.no_grad():
             row = torch.randn(1, width, generator=generator)
             self.router.weight.copy_(row + 2e-3 * torch.randn(experts, width, generator=generator))
-            for expert in self.experts:
+            for expert in linears:
                 expert.weight.copy_(torch.randn(width, width, generator=generator) / width**0.5)
                 expert.bias.copy_(torch.randn(width, generator=generator))
 
@@ -71,7 +72,8 @@ class Cancellation(torch.nn.Module):
             self.c.weight.copy_(1e-4 * torch.randn(width, width, generator=generator) / width**0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.a(x) - self.b(x) + self.c(x)
+        out: torch.Tensor = self.a(x) - self.b(x) + self.c(x)
+        return out
 
 
 def cancellation_batch() -> torch.Tensor:
@@ -87,7 +89,8 @@ class OwnWork(torch.nn.Module):
         self.head = torch.nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(x @ self.weight).float()
+        out: torch.Tensor = self.head(x @ self.weight)
+        return out.float()
 
 
 class Noisy(torch.nn.Module):
@@ -100,7 +103,8 @@ class Noisy(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        return self.head(x).float() + 1e-2 * self.calls
+        out: torch.Tensor = self.head(x)
+        return out.float() + 1e-2 * self.calls
 
 
 class Attention(torch.nn.Module):
@@ -127,7 +131,8 @@ class Block(torch.nn.Module):
         self.head = torch.nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.mlp(self.attn(x)))
+        out: torch.Tensor = self.head(self.mlp(self.attn(x)))
+        return out
 
 
 def block_batch() -> torch.Tensor:
@@ -148,7 +153,9 @@ def tiny_mixtral() -> MixtralForCausalLM:
         num_experts_per_tok=2,
         max_position_embeddings=64,
     )
-    return MixtralForCausalLM(config).eval()
+    model = MixtralForCausalLM(config)
+    model.eval()  # type: ignore[no-untyped-call]
+    return model
 
 
 def mixtral_batch() -> dict[str, torch.Tensor]:
