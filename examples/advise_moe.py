@@ -58,7 +58,12 @@ def relative_error(model: torch.nn.Module, x: torch.Tensor) -> float:
 
 def main() -> None:
     model = MoE()
-    advice = fp32scope.advise(model, [batch(1), batch(2)], autocast=torch.bfloat16, tolerance=2e-2)
+    advice = fp32scope.advise(
+        model,
+        [batch(1), batch(2)],
+        autocast=torch.bfloat16,
+        tolerance=2e-2,
+    )
     print(advice.table())
     print("policy:", advice.policy)
     if len(sys.argv) > 1:
