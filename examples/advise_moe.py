@@ -1,11 +1,12 @@
 """Find which nodes of a mixture of experts need full float32 under bf16 autocast.
 
-The model's router scores nearly tie (its rows are one row plus a little noise), so bf16
-rounding flips which expert a token goes to; the experts themselves are fine in bf16.
-``fp32scope.advise`` measures this on two batches and proposes a policy; the script saves
-it as JSON, loads it into ``scope_modules``, checks it on a held-out batch, and shows with
-``trace()`` that the router runs in full float32. ``python examples/advise_moe.py PNG``
-also saves the sensitivity chart (matplotlib: ``pip install fp32scope[plot]``).
+The model's router scores nearly tie (its rows are one row plus a little noise), so
+bf16 rounding flips which expert a token goes to; the experts are fine in bf16.
+``fp32scope.advise`` measures this on two batches and proposes a policy; the script
+saves it as JSON, loads it into ``scope_modules``, checks it on a held-out batch, and
+shows with ``trace()`` that the router runs in full float32.
+``python examples/advise_moe.py PNG`` also saves the sensitivity chart (matplotlib:
+``pip install fp32scope[plot]``).
 """
 
 from __future__ import annotations
