@@ -79,7 +79,8 @@ class Fp32AdviceNode(NamedTuple):
     parameters: int
     #: Share of the model's forward FLOPs (torch's FLOP counter) run by the node and its submodules.
     flop_share: float
-    #: The error with only this node's own work fast and every other candidate's in full float32.
+    #: The error with only this node's own work fast and every other candidate's in full float32
+    #: (nan where not measured: every node fast met the tolerance).
     sensitivity: float
     #: Whether the advised policy keeps it in full float32.
     kept: bool
@@ -137,7 +138,14 @@ class Fp32Advice:
         """The nodes as a plain text table, then the errors and the share kept in full float32."""
         header = ("node", "class", "params", "FLOPs", "sensitivity", "kept")
         rows = [
-            (n.name, n.type, str(n.parameters), f"{n.flop_share:.1%}", f"{n.sensitivity:.3g}", "yes" if n.kept else "")
+            (
+                n.name,
+                n.type,
+                str(n.parameters),
+                f"{n.flop_share:.1%}",
+                "-" if math.isnan(n.sensitivity) else f"{n.sensitivity:.3g}",
+                "yes" if n.kept else "",
+            )
             for n in self.nodes
         ]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -175,7 +183,13 @@ class Fp32Advice:
             msg = "Fp32Advice.plot needs matplotlib: pip install fp32scope[plot]"
             raise ImportError(msg) from error
         floor = self.tolerance * 1e-3
-        values = [max(n.sensitivity, floor) if math.isfinite(n.sensitivity) else 1.0 for n in self.nodes]
+        finite = [n.sensitivity for n in self.nodes if math.isfinite(n.sensitivity)]
+        top = max([1.0, *finite])
+        # Not measured (nan): at the floor; an infinite error: at the top of the chart.
+        values = [
+            floor if math.isnan(n.sensitivity) else top if math.isinf(n.sensitivity) else max(n.sensitivity, floor)
+            for n in self.nodes
+        ]
         colors = ["tab:red" if n.kept else "tab:blue" for n in self.nodes]
         fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(self.nodes) + 2), 4.5))
         try:
@@ -805,8 +819,8 @@ def advise(  # noqa: C901, PLR0912, PLR0913, PLR0915  (one public entry point: c
                         own.unwind()
                 finally:
                     own.remove()
-            else:
-                sensitivity = dict.fromkeys(chosen, 0.0)
+            else:  # nothing to search: not measured
+                sensitivity = dict.fromkeys(chosen, math.nan)
             inside = _descendants(modules)
             total_flops = sum(own_flops.values())
             subtree_flops = {k: own_flops.get(k, 0) + sum(own_flops.get(d, 0) for d in inside[k]) for k in modules}
@@ -864,7 +878,7 @@ def advise(  # noqa: C901, PLR0912, PLR0913, PLR0915  (one public entry point: c
                     type(modules[key]).__name__,
                     sum({id(p): p.numel() for p in modules[key].parameters()}.values()),
                     subtree_flops[key] / total_flops if total_flops else 0.0,
-                    sensitivity.get(key, 0.0),
+                    sensitivity.get(key, math.nan),
                     key in kept,
                 )
                 for key in chosen

@@ -226,6 +226,8 @@ def test_an_empty_policy_when_every_node_fast_meets_the_tolerance() -> None:
     assert advice.met
     assert advice.error == advice.fast_error
     assert advice.runs == 2  # the reference and every node fast: no sensitivity is needed
+    assert all(math.isnan(n.sensitivity) for n in advice.nodes)  # not measured
+    assert "-" in advice.table().splitlines()[2].split()
     assert advice.apply(model) == {}
 
 
