@@ -160,3 +160,36 @@ def tiny_mixtral() -> MixtralForCausalLM:
 
 def mixtral_batch() -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))}
+
+
+class Outer(torch.nn.Module):
+    """A near-tie router as a child, and a difference of nearly equal products as its own work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.router = torch.nn.Linear(WIDTH, EXPERTS, bias=False)
+        weight = torch.randn(WIDTH, WIDTH, generator=generator) / WIDTH**0.5
+        self.weight = torch.nn.Parameter(weight)
+        self.nearly = torch.nn.Parameter(weight + 0.05 * torch.randn(WIDTH, WIDTH, generator=generator) / WIDTH**0.5)
+        with torch.no_grad():
+            row = torch.randn(1, WIDTH, generator=generator)
+            self.router.weight.copy_(row + 2e-3 * torch.randn(EXPERTS, WIDTH, generator=generator))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(dim=-1, keepdim=True)
+        difference = x @ self.weight - x @ self.nearly
+        out: torch.Tensor = difference * (1 + 10 * choice)
+        return out.float()
+
+
+class Nested(torch.nn.Module):
+    """``Outer`` inside a root: the search keeps the router first, then ``outer``, which makes the router redundant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outer = Outer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.outer(x)
+        return out

@@ -196,6 +196,20 @@ def test_a_tiny_mixtral_under_bf16_autocast_keeps_a_fifth_of_its_parameters_at_m
     assert_meets_and_is_minimal(model, [batch], advice, fast=fast, dtype=BF16)
 
 
+def test_a_node_kept_first_is_pruned_once_its_parent_is_kept() -> None:
+    model, batch = models.Nested(), models.near_tie_batch()
+    fast = fp32scope.current_fp32_precision()
+    assert measured(model, [batch], {}, fast=fast, dtype=BF16) > 1e-2  # the control
+    # The router alone is not enough: outer's own difference of products needs float32 too.
+    assert measured(model, [batch], {"outer.router": KEPT}, fast=fast, dtype=BF16) > 1e-2
+    advice = fp32scope.advise(model, batch, autocast=BF16, tolerance=1e-2)
+    rows = {n.name: n for n in advice.nodes}
+    assert rows["outer.router"].sensitivity > rows["outer"].sensitivity  # so the search keeps the router first
+    assert advice.policy == {"outer": KEPT}  # ... and drops it once outer, which encloses it, is kept
+    assert not rows["outer.router"].kept
+    assert_meets_and_is_minimal(model, [batch], advice, fast=fast, dtype=BF16)
+
+
 def test_candidates_are_the_modules_doing_floating_point_work_of_their_own() -> None:
     model, batch = models.Block(), models.block_batch()
     fast = fp32scope.current_fp32_precision()
