@@ -135,7 +135,11 @@ class Fp32Advice:
         return scope_modules(model, self.policy, autocast=self.autocast)
 
     def table(self) -> str:
-        """The nodes as a plain text table, then the errors and the share kept in full float32."""
+        """The nodes as a plain text table, then the errors and the share kept in full float32.
+
+        The ``kept`` column says ``yes`` for a node of the policy and ``inside`` for one that
+        runs in full float32 because a node of the policy encloses it.
+        """
         header = ("node", "class", "params", "FLOPs", "sensitivity", "kept")
         rows = [
             (
@@ -144,7 +148,7 @@ class Fp32Advice:
                 str(n.parameters),
                 f"{n.flop_share:.1%}",
                 "-" if math.isnan(n.sensitivity) else f"{n.sensitivity:.3g}",
-                "yes" if n.kept else "",
+                "yes" if n.kept else "inside" if any(n.name.startswith(f"{k}.") for k in self.policy) else "",
             )
             for n in self.nodes
         ]

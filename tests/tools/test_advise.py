@@ -207,6 +207,7 @@ def test_a_node_kept_first_is_pruned_once_its_parent_is_kept() -> None:
     assert rows["outer.router"].sensitivity > rows["outer"].sensitivity  # so the search keeps the router first
     assert advice.policy == {"outer": KEPT}  # ... and drops it once outer, which encloses it, is kept
     assert not rows["outer.router"].kept
+    assert [line.split()[-1] for line in advice.table().splitlines()[2:4]] == ["yes", "inside"]
     assert_meets_and_is_minimal(model, [batch], advice, fast=fast, dtype=BF16)
 
 
