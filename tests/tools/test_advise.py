@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fp32scope
-from fp32scope import Fp32Precision, fp32_precision_scope, scope_modules, unscope_modules
+from fp32scope import Fp32Precision, _flags, fp32_precision_scope, scope_modules, unscope_modules
 from fp32scope.__main__ import main
 from tests._support import advise_models as models
 from tests._support.common import FULL, BoomError
@@ -104,7 +104,7 @@ class Snapshot:
         self.tensors = {k: (v, v.clone()) for k, v in model.state_dict(keep_vars=True).items()}
         self.grads = [(p, p.grad, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
         self.training = [m.training for m in model.modules()]
-        self.flags = fp32scope._flags.save_raw_state()
+        self.flags = _flags.save_raw_state()
         self.process = fp32scope.current_fp32_precision()
         self.autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
         self.rng = torch.get_rng_state()
@@ -124,7 +124,7 @@ class Snapshot:
             assert p.grad is grad
             assert grad is None or (saved is not None and torch.equal(grad, saved))
         assert [m.training for m in model.modules()] == self.training
-        assert fp32scope._flags.save_raw_state() == self.flags
+        assert _flags.save_raw_state() == self.flags
         assert fp32scope.current_fp32_precision() == self.process
         assert (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")) == self.autocast
         assert torch.equal(torch.get_rng_state(), self.rng)
