@@ -103,7 +103,25 @@ def _check_public_names_documented(app: Any, env: Any) -> None:
         )
 
 
+def _advise_chart(app: Any) -> None:
+    """Run examples/advise_moe.py to draw the chart howto/find_fp32_nodes.rst shows (docs/_generated/)."""
+    import contextlib
+    import io
+    import runpy
+
+    chart = Path(app.srcdir) / "_generated" / "advise_moe.png"
+    chart.parent.mkdir(exist_ok=True)
+    argv = sys.argv
+    sys.argv = ["advise_moe.py", str(chart)]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            runpy.run_path(str(ROOT / "examples" / "advise_moe.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+
+
 def setup(app: Any) -> None:
-    """Connect the per-docstring flag reset and the check that every public name is documented."""
+    """Connect the per-docstring flag reset, the check that every public name is documented, the chart."""
     app.connect("autodoc-process-docstring", _reset_after_examples)
     app.connect("env-check-consistency", _check_public_names_documented)
+    app.connect("builder-inited", _advise_chart)

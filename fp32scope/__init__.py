@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from fp32scope._flags.process import current_fp32_precision, set_process_default
     from fp32scope._flags.scope import fp32_precision_scope
     from fp32scope._flags.unchanged import assert_fp32_flags_unchanged
+    from fp32scope._tools.advise import Fp32Advice, Fp32AdviceNode, advise
     from fp32scope._wrappers.decorator import with_fp32_precision
     from fp32scope._wrappers.node import node_fp32_precision
     from fp32scope._wrappers.policy import scope_modules, scoped_modules, unscope_modules
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 # loaded by every pytest run of an environment that has fp32scope, and it must not import
 # torch (about a second) unless a test uses it.
 _HOMES = {
+    "Fp32Advice": "_tools.advise",
+    "Fp32AdviceNode": "_tools.advise",
+    "advise": "_tools.advise",
     "CapturedCudaGraph": "_export.cuda_graphs",
     "capture_cuda_graph": "_export.cuda_graphs",
     "with_fp32_precision": "_wrappers.decorator",
@@ -92,6 +96,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CapturedCudaGraph",
+    "Fp32Advice",
+    "Fp32AdviceNode",
     "Fp32AutocastWarning",
     "Fp32BackwardNotScopedWarning",
     "Fp32EagerFallbackWarning",
@@ -103,6 +109,7 @@ __all__ = [
     "Fp32Trace",
     "Fp32TraceEvent",
     "ScopedAOTIModel",
+    "advise",
     "aoti_compile_and_package",
     "aoti_load_package",
     "assert_fp32_flags_unchanged",

@@ -1,4 +1,4 @@
-"""Command line: ``python -m fp32scope demo``, ``python -m fp32scope doctor`` and ``--version``."""
+"""Command line: ``python -m fp32scope demo``, ``doctor``, ``advise`` and ``--version``."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def _version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from fp32scope._tools import advise as _advise
     from fp32scope._tools import demo as _demo
     from fp32scope._tools import doctor as _doctor
 
@@ -39,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=_version())
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,doctor}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,doctor,advise}")
     demo = commands.add_parser(
         "demo",
         help="run three torch.compile'd nodes on a forward thread, one of them in full float32",
@@ -58,6 +59,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     _doctor.add_arguments(doctor)
     doctor.set_defaults(run=_doctor.run)
+    advise = commands.add_parser(
+        "advise",
+        help="find which nodes of a model need full float32 for a tolerance (exit status 1 when none suffices)",
+        description=_advise.DESCRIPTION,
+        epilog=_advise.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _advise.add_arguments(advise)
+    advise.set_defaults(run=_advise.run)
     return parser
 
 

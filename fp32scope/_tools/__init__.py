@@ -1,4 +1,4 @@
-"""Layer 5, the tools: the ``demo`` and ``doctor`` commands and the pytest plugin.
+"""Layer 5, the tools: ``advise``, the ``demo``, ``doctor`` and ``advise`` commands, the pytest plugin.
 
 May import: every layer below, ``fp32scope._errors``, ``fp32scope._compat``, torch. The
 pytest plugin imports torch and the layers only when a test uses it (pytest loads it in

@@ -14,6 +14,7 @@ def test_every_example_is_tested() -> None:
     tested |= {"aoti_package.py"}
     tested |= {"training_loop.py"}
     tested |= {"amp_training.py"}
+    tested |= {"advise_moe.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -92,3 +93,13 @@ def test_amp_training() -> None:
     assert out.count("router weights torch.float32") == 10
     assert out.count("equal to the hand-written stack (outputs, gradients, parameters): True") == 5
     assert "the loss went down" in out
+
+
+def test_advise_moe() -> None:
+    out = run_example("advise_moe.py")
+    assert "policy: {'router': {'matmul': 'highest', 'cudnn_allow_tf32': False}}" in out
+    assert "met (" in out
+    assert "traced: router forward Fp32Precision(matmul='highest', cudnn_allow_tf32=False)" in out
+    before, after = (float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if line.startswith("held-out error"))
+    assert before > 2e-2  # the control: bf16 flips the router's choices on the held-out batch too
+    assert after <= 2e-2

@@ -1,0 +1,206 @@
+"""Small models for ``advise`` (tests/tools/test_advise.py), importable as command line targets."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+
+WIDTH = 32
+EXPERTS = 4
+#: Tolerance of the router model: above the experts' bf16 error (about 4e-3), far below a flipped choice's.
+ROUTER_TOLERANCE = 2e-2
+
+
+class NearTieMoE(torch.nn.Module):
+    """A top-1 mixture of experts whose router's logits nearly tie: bf16 flips its choices.
+
+    The router's rows are one random row plus 2e-3 noise, so the logits of one token differ
+    by about 1e-2, less than bf16 rounds them by; the experts are plain Linear layers.
+    """
+
+    def __init__(self, width: int = WIDTH, experts: int = EXPERTS) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.router = torch.nn.Linear(width, experts, bias=False)
+        linears = [torch.nn.Linear(width, width) for _ in range(experts)]
+        self.experts = torch.nn.ModuleList(linears)
+        with torch.no_grad():
+            row = torch.randn(1, width, generator=generator)
+            self.router.weight.copy_(row + 2e-3 * torch.randn(experts, width, generator=generator))
+            for expert in linears:
+                expert.weight.copy_(torch.randn(width, width, generator=generator) / width**0.5)
+                expert.bias.copy_(torch.randn(width, generator=generator))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(dim=-1)
+        outputs = torch.stack([expert(x) for expert in self.experts], dim=1)
+        return outputs[torch.arange(x.shape[0]), choice].float()
+
+
+def near_tie_batch() -> torch.Tensor:
+    return torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(1))
+
+
+def near_tie_batches() -> list[Any]:
+    """Two batches, one a tuple of positional arguments and one a dict... of the same model."""
+    second = torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(2))
+    return [(near_tie_batch(),), {"x": second}]
+
+
+def near_tie_loss(output: torch.Tensor) -> torch.Tensor:
+    return output.square().mean()
+
+
+class Cancellation(torch.nn.Module):
+    """``a(x) - b(x)`` with nearly equal weights: reduced precision in either one is a large relative error.
+
+    Wide (256): on a oneDNN CPU "medium" (bf16) changes only products above a size.
+    """
+
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Linear(width, width, bias=False)
+        self.b = torch.nn.Linear(width, width, bias=False)
+        self.c = torch.nn.Linear(width, width, bias=False)
+        with torch.no_grad():
+            weight = torch.randn(width, width, generator=generator) / width**0.5
+            self.a.weight.copy_(weight)
+            self.b.weight.copy_(weight + 1e-4 * torch.randn(width, width, generator=generator) / width**0.5)
+            self.c.weight.copy_(1e-4 * torch.randn(width, width, generator=generator) / width**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.a(x) - self.b(x) + self.c(x)
+        return out
+
+
+def cancellation_batch() -> torch.Tensor:
+    return torch.randn(32, 256, generator=torch.Generator().manual_seed(1))
+
+
+class OwnWork(torch.nn.Module):
+    """The root's own forward runs a matmul: no candidate policy can make it full float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(0)))
+        self.head = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(x @ self.weight)
+        return out.float()
+
+
+class Noisy(torch.nn.Module):
+    """A model whose every call differs (a counter in its output): not deterministic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(WIDTH, WIDTH)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out: torch.Tensor = self.head(x)
+        return out.float() + 1e-2 * self.calls
+
+
+class Attention(torch.nn.Module):
+    """Self-attention whose projections are children: its own work is softmax(QK^T)V."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(WIDTH, WIDTH)
+        self.k = torch.nn.Linear(WIDTH, WIDTH)
+        self.v = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.matmul(self.q(x), self.k(x).transpose(-1, -2)) / WIDTH**0.5
+        return torch.matmul(scores.softmax(dim=-1), self.v(x))
+
+
+class Block(torch.nn.Module):
+    """An attention, a container with an activation, and a head: which of them do work of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attention()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU())
+        self.head = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.mlp(self.attn(x)))
+        return out
+
+
+def block_batch() -> torch.Tensor:
+    return torch.randn(2, 8, WIDTH, generator=torch.Generator().manual_seed(1))
+
+
+def tiny_mixtral() -> torch.nn.Module:
+    """A two-layer Mixtral (4 experts, top 2) built from its config (nothing downloaded), or a skip saying why not."""
+    release = torch.__version__.split("+")[0]
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (the test extra installs it: pip install -e .[test])")
+    try:
+        transformers = importlib.import_module("transformers")
+        config_class, model_class = transformers.MixtralConfig, transformers.MixtralForCausalLM
+    except Exception as error:  # transformers 5.x imports its models only with torch >= 2.6
+        pytest.skip(f"transformers' Mixtral does not import with torch {release}: {error}")
+    if not transformers.is_torch_available():  # transformers 5.x disables its models for torch < 2.6
+        pytest.skip(f"transformers {transformers.__version__} does not run its models on torch {release}")
+    torch.manual_seed(0)
+    config = config_class(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    model: torch.nn.Module = model_class(config)
+    return model.eval()
+
+
+def mixtral_batch() -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))}
+
+
+class Outer(torch.nn.Module):
+    """A near-tie router as a child, and a difference of nearly equal products as its own work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.router = torch.nn.Linear(WIDTH, EXPERTS, bias=False)
+        weight = torch.randn(WIDTH, WIDTH, generator=generator) / WIDTH**0.5
+        self.weight = torch.nn.Parameter(weight)
+        self.nearly = torch.nn.Parameter(weight + 0.05 * torch.randn(WIDTH, WIDTH, generator=generator) / WIDTH**0.5)
+        with torch.no_grad():
+            row = torch.randn(1, WIDTH, generator=generator)
+            self.router.weight.copy_(row + 2e-3 * torch.randn(EXPERTS, WIDTH, generator=generator))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(dim=-1, keepdim=True)
+        difference = x @ self.weight - x @ self.nearly
+        out: torch.Tensor = difference * (1 + 10 * choice)
+        return out.float()
+
+
+class Nested(torch.nn.Module):
+    """``Outer`` inside a root: the search keeps the router first, then ``outer``, which makes the router redundant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outer = Outer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.outer(x)
+        return out
