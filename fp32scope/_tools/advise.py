@@ -26,7 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fp32scope._flags import torch_flags
 from fp32scope._flags.precision import Fp32Precision, check_matmul
 from fp32scope._flags.process import current_fp32_precision
-from fp32scope._tools.doctor import ModelLoadError, load_model
+from fp32scope._tools.doctor import load_model
+from fp32scope._tools.targets import TargetError, call_factory, resolve
 from fp32scope._wrappers.policy import _bare, _Policy, _walk, scope_modules, scoped_modules, unscope_modules
 
 __all__ = ["Fp32Advice", "Fp32AdviceNode", "advise"]
@@ -941,10 +942,6 @@ it does not, 2 for a bad option or a target that cannot be loaded."""
 _AUTOCAST_WORDS = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-class _TargetError(Exception):
-    """A command line target or option that cannot be used (exit status 2)."""
-
-
 def add_arguments(parser: Any) -> None:
     """Add the ``advise`` command's arguments to ``parser``."""
     parser.add_argument("model", metavar="MODULE:ATTR", help="the model, or a factory of one")
@@ -960,36 +957,13 @@ def add_arguments(parser: Any) -> None:
 
 
 def _load(target: str, what: str, *, call: bool) -> Any:
-    import importlib
-
-    module_name, sep, attribute = target.partition(":")
-    if not sep or not module_name or not attribute:
-        msg = f"expected MODULE:ATTR (for example engine.data:batches); got {target!r}"
-        raise _TargetError(msg)
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as error:  # the user's module: report any failure, exit 2
-        msg = f"the module does not import ({_one_line(error)})"
-        raise _TargetError(msg) from error
-    for part in attribute.split("."):
-        if not hasattr(obj, part):
-            msg = f"{module_name} has no attribute {attribute!r}"
-            raise _TargetError(msg)
-        obj = getattr(obj, part)
+    obj, attribute = resolve(target, example="engine.data:batches")
     if call and callable(obj) and not isinstance(obj, (torch.Tensor, tuple, list, Mapping)):
-        try:
-            obj = obj()
-        except Exception as error:  # the user's factory: report any failure, exit 2
-            msg = f"calling {attribute} without arguments failed ({_one_line(error)})"
-            raise _TargetError(msg) from error
+        obj = call_factory(obj, attribute)
     if not call and not callable(obj):
         msg = f"{what} {attribute} is not callable; got an object of type {type(obj).__name__}"
-        raise _TargetError(msg)
+        raise TargetError(msg)
     return obj
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 def run(args: Any) -> int:  # noqa: C901, PLR0911  (one check per option, each its own exit)
@@ -1002,18 +976,18 @@ def run(args: Any) -> int:  # noqa: C901, PLR0911  (one check per option, each i
 
     try:
         model = load_model(args.model)
-    except ModelLoadError as error:
+    except TargetError as error:
         return refuse(args.model, str(error))
     try:
         inputs = _load(args.inputs, "--inputs", call=True)
         _check_inputs(inputs)
-    except (_TargetError, TypeError, ValueError) as error:
+    except (TargetError, TypeError, ValueError) as error:
         return refuse(f"--inputs {args.inputs}", str(error))
     loss = None
     if args.loss is not None:
         try:
             loss = _load(args.loss, "--loss", call=False)
-        except _TargetError as error:
+        except TargetError as error:
             return refuse(f"--loss {args.loss}", str(error))
     try:
         fast = _check_fast(args.fast)

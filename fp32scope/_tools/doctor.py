@@ -25,6 +25,7 @@ from fp32scope._flags import torch_flags
 from fp32scope._flags.dynamo_exclude import dynamo_resets_medium
 from fp32scope._flags.precision import Fp32Precision
 from fp32scope._flags.process import current_fp32_precision
+from fp32scope._tools.targets import TargetError, call_factory, resolve
 from fp32scope._wrappers.autocast import CUBLAS_OVERRIDE, NVIDIA_OVERRIDE
 from fp32scope._wrappers.node import node_fp32_precision
 from fp32scope._wrappers.proxy import Fp32ScopedModule, precision_of
@@ -427,47 +428,22 @@ def run(args: argparse.Namespace) -> int:
 # -- --model: which nodes of a model are scoped, and which declare a precision they lack ---
 
 
-_MISSING = object()
-
-
-class ModelLoadError(Exception):
-    """The ``--model`` target cannot be imported, called, or is not a module (exit status 2)."""
+#: A ``--model`` target that cannot be loaded (exit status 2).
+ModelLoadError = TargetError
 
 
 def load_model(target: str) -> torch.nn.Module:
     """The module ``MODULE:ATTR`` names: the attribute itself, or what calling it returns."""
-    module_name, sep, attribute = target.partition(":")
-    if not sep or not module_name or not attribute:
-        msg = f"expected MODULE:ATTR (for example engine.model:build_model); got {target!r}"
-        raise ModelLoadError(msg)
-    try:
-        obj: object = importlib.import_module(module_name)
-    except Exception as error:  # the user's module: report any failure, exit 2
-        msg = f"the module does not import ({_one_line(error)})"
-        raise ModelLoadError(msg) from error
-    for part in attribute.split("."):
-        obj = getattr(obj, part, _MISSING)
-        if obj is _MISSING:
-            on = f" ({part!r} is missing)" if part != attribute else ""
-            msg = f"{module_name} has no attribute {attribute!r}{on}"
-            raise ModelLoadError(msg)
+    obj, attribute = resolve(target, example="engine.model:build_model")
     if not isinstance(obj, torch.nn.Module) and callable(obj):
-        try:
-            obj = obj()
-        except Exception as error:  # the user's factory: report any failure, exit 2
-            msg = f"calling {attribute} without arguments failed ({_one_line(error)})"
-            raise ModelLoadError(msg) from error
+        obj = call_factory(obj, attribute)
     if not isinstance(obj, torch.nn.Module):
         msg = (
             f"{attribute} is not a torch.nn.Module, nor a callable that returns one; got "
             f"an object of type {type(obj).__name__}"
         )
-        raise ModelLoadError(msg)
+        raise TargetError(msg)
     return obj
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 @dataclasses.dataclass(frozen=True)

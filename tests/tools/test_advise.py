@@ -371,7 +371,7 @@ def test_an_error_in_the_model_propagates_and_leaves_nothing_behind(used_model: 
     snapshot.assert_unchanged()
 
 
-BAD_ARGUMENTS = [
+BAD_ARGUMENTS: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"model": lambda x: x}, TypeError, r"torch\.nn\.Module"),
     ({"inputs": 3}, TypeError, r"inputs"),
     ({"inputs": []}, ValueError, r"inputs"),
