@@ -33,7 +33,8 @@ nox.options.error_on_missing_interpreters = True
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["tests", "lint", "typecheck", "docs", "examples", "demo"]
 
-#: pytest-xdist workers for the test sessions (the machine's two cores); ``-- -n 0`` runs serially.
+#: pytest-xdist workers for the test sessions (the machine's two cores), which steal work from each other
+#: (``--dist worksteal``: a worker that runs out of tests takes some of the other's); ``-- -n 0`` runs serially.
 TEST_WORKERS = os.environ.get("FP32SCOPE_TEST_WORKERS", "2")
 
 
@@ -106,7 +107,7 @@ def install(session: nox.Session, torch: str, *extras: str) -> None:
 def tests(session: nox.Session, torch: str) -> None:
     """Run the test suite (CPU; the GPU tests skip themselves without CUDA)."""
     install(session, torch, "test")
-    session.run("pytest", "-n", TEST_WORKERS, *session.posargs)
+    session.run("pytest", "-n", TEST_WORKERS, "--dist", "worksteal", *session.posargs)
 
 
 def _matrix_session(release: str) -> Callable[[nox.Session], None]:
@@ -115,7 +116,7 @@ def _matrix_session(release: str) -> Callable[[nox.Session], None]:
         session.run("python", "-c", "import torch; print('torch', torch.__version__)")
         # pytest's -ra (pyproject.toml) lists each skip with its reason: a test that cannot
         # run on a release says why.
-        session.run("pytest", "-n", TEST_WORKERS, *session.posargs)
+        session.run("pytest", "-n", TEST_WORKERS, "--dist", "worksteal", *session.posargs)
 
     run_tests.__doc__ = f"Run the test suite on torch {release} (part of the torch matrix: nox -t torch-matrix)."
     return run_tests
@@ -129,7 +130,7 @@ def _python_session(python: str) -> Callable[[nox.Session], None]:
     def run_tests(session: nox.Session) -> None:
         install(session, DEFAULT_TORCH, "test")
         session.run("python", "-c", "import platform, torch; print(platform.python_version(), torch.__version__)")
-        session.run("pytest", "-n", TEST_WORKERS, *session.posargs)
+        session.run("pytest", "-n", TEST_WORKERS, "--dist", "worksteal", *session.posargs)
 
     run_tests.__doc__ = f"Run the test suite on Python {python}, torch {DEFAULT_TORCH} (part of nox -t python-matrix)."
     return run_tests

@@ -159,6 +159,13 @@ class Fp32ScopedModule(_ProxyBase):
         self._self_check_parameters = asks_full_float32(checked)
         _own_dict(self)  # what ``__dict__`` returns (see there)
 
+    # Attribute reads: Python's own lookup, then wrapt's __getattr__ (the wrapped module's
+    # attribute), which is what wrapt's C __getattribute__ does. A Python subclass of a
+    # proxy type that has __getattr__ gets CPython's generic attribute hook, which calls a
+    # C __getattribute__ through a bound method object on every read (about 80 ns; each call
+    # reads the proxy's own state); object's __getattribute__ it calls directly (about 25 ns).
+    __getattribute__ = object.__getattribute__
+
     # ``self`` is positional-only so that a keyword argument named "self" still reaches
     # the module (wrapt's CallableObjectProxy gets the same by unpacking *args, which costs
     # a list on every call).
