@@ -178,14 +178,15 @@ def docs(session: nox.Session, torch: str) -> None:
 @nox.session
 @nox.parametrize("torch", TORCH_VERSIONS)
 def bench(session: nox.Session, torch: str) -> None:
-    """Measure per-call costs (scopes, wrappers, torch's helpers) and per-step training costs (medians, ratios).
+    """Measure per-call costs (scopes, wrappers, torch's helpers), per-step training costs, and compiled models.
 
-    Arguments after ``--`` go to both scripts (``--repeats N``).
+    Arguments after ``--`` go to every script (``--repeats N``).
     """
     install(session, torch)
     session.install("numpy")  # as most users have it; else torch's import warns "Failed to initialize NumPy"
     session.run("python", "benchmarks/bench_scope.py", *session.posargs)
     session.run("python", "benchmarks/bench_training.py", *session.posargs)
+    session.run("python", "benchmarks/bench_compiled.py", *session.posargs)
 
 
 @nox.session

@@ -25,6 +25,7 @@ from fp32scope._flags.hooks import open_ranges as _ranges
 from fp32scope._flags.hooks import open_traces as _traces
 from fp32scope._flags.hooks import profiler_state as _profiler_state
 from fp32scope._wrappers.autocast import any_autocast
+from fp32scope._wrappers.param_dtype import warn_low_precision_parameters
 from fp32scope._wrappers.trampoline import active_callback
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -175,6 +176,39 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
             noop()
         noop()
 
+    # Each feature, on: under autocast (a node that keeps the caller's autocast; its one
+    # warning is given before the timing), inside a profiler (a fresh one per timing loop,
+    # below), and the parameter-dtype check a full-float32 node makes on its first call.
+    keeps_autocast = Fp32ScopedModule(bare_arg, full)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with bf16_autocast:
+            keeps_autocast(bf16)
+
+    def proxy_under_autocast() -> None:
+        with no_grad, bf16_autocast:
+            keeps_autocast(bf16)
+
+    def scope_under_autocast() -> None:
+        with no_grad, bf16_autocast, reused:
+            bare_arg(bf16)
+
+    def proxy_profiled() -> None:
+        with no_grad:
+            proxy()
+
+    def scope_profiled() -> None:
+        with no_grad, reused:
+            bare_module()
+
+    linear = torch.nn.Linear(16, 16)
+
+    def parameter_check() -> None:
+        warn_low_precision_parameters(linear, full, "Linear")
+
+    def own_attribute_read() -> None:
+        proxy._self_check_parameters  # noqa: B018  (the read each call makes for the check)
+
     cases: dict[str, Callable[[], object]] = {
         "bare no-op call": noop,
         "floor: raw _C calls of an exact switch, inline": floor_switch_both,
@@ -201,6 +235,16 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         "no_grad + torch.autocast('cpu', bf16) around a no-op": autocast_only,
         "Fp32ScopedModule(autocast=False) under no_grad + autocast, one bf16 argument": call_autocast_off,
         "by hand: autocast(enabled=False) + x.float() + reused scope, same call": by_hand_autocast_off,
+        "Fp32ScopedModule call keeping the caller's autocast, under no_grad + autocast": proxy_under_autocast,
+        "one scope object reused around the bare call, under no_grad + autocast": scope_under_autocast,
+        "Fp32ScopedModule call under no_grad, inside torch.profiler.profile()": proxy_profiled,
+        "one scope object reused around the bare nn.Module call, under no_grad, inside the profiler": scope_profiled,
+        "the parameter-dtype check of a first call, Linear(16, 16) in float32": parameter_check,
+        "one read of the proxy's own attribute (the check's flag)": own_attribute_read,
+    }
+    profiled = {
+        "Fp32ScopedModule call under no_grad, inside torch.profiler.profile()",
+        "one scope object reused around the bare nn.Module call, under no_grad, inside the profiler",
     }
     # Interleave repeats across cases so that a noisy stretch hits every case alike.
     samples: dict[str, list[float]] = {name: [] for name in cases}
@@ -216,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
                 if len(events) != n:
                     print(f"error: the trace holds {len(events)} events for {n} calls", file=sys.stderr)
                     return 1
+                continue
+            if name in profiled:
+                # A fresh profiler per loop, of fewer calls: it keeps every event it records.
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+                    samples[name].append(median_ns(fn, max(1, n // 10), 1))
                 continue
             samples[name].append(median_ns(fn, n, 1))
     if _flags.read_all() != before:
@@ -271,6 +320,33 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     off_over = med["Fp32ScopedModule(autocast=False) under no_grad + autocast, one bf16 argument"] - autocast_region
     hand_over = med["by hand: autocast(enabled=False) + x.float() + reused scope, same call"] - autocast_region
     print(f"  autocast=False call under autocast (minus the autocast region) {off_over:.1f}; by hand {hand_over:.1f}")
+    print("each feature's cost per scoped call, off -> on, ns (on: the proxy's call minus the same call's scope around")
+    print("the bare module, both with the feature on):")
+    checks_off = checks
+    trace_on = traced_over
+    prof_on = (
+        med["Fp32ScopedModule call under no_grad, inside torch.profiler.profile()"]
+        - med["one scope object reused around the bare nn.Module call, under no_grad, inside the profiler"]
+    ) - proxy_no_grad_over
+    autocast_on = (
+        med["Fp32ScopedModule call keeping the caller's autocast, under no_grad + autocast"]
+        - med["one scope object reused around the bare call, under no_grad + autocast"]
+    ) - proxy_no_grad_over
+    read = med["one read of the proxy's own attribute (the check's flag)"] - bare
+    check_once = med["the parameter-dtype check of a first call, Linear(16, 16) in float32"] - bare
+    print(f"  trace(): off {checks_off:.1f} (the trace/profiler checks, shared); on +{trace_on:.1f}")
+    print(f"  profiler: off (the same checks); on +{prof_on:.1f} (its range, beside the profiler's own cost)")
+    print(f"  autocast: off {autocast_read - bare:.1f} (reading whether any is on); on +{autocast_on:.1f}")
+    print(f"  parameter-dtype check: off {read:.1f} (one attribute read); on {check_once:.1f}, once per node")
+    feature_costs = {
+        "trace_on_ns": trace_on,
+        "profiler_on_ns": prof_on,
+        "autocast_off_ns": autocast_read - bare,
+        "autocast_on_ns": autocast_on,
+        "parameter_check_off_ns": read,
+        "parameter_check_once_ns": check_once,
+        "observer_checks_off_ns": checks_off,
+    }
     print("ratios:")
     for name, value in ratios.items():
         print(f"  {name}: {value:.2f}")
@@ -281,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
             "autocast_off_over_ns": off_over,
             "autocast_off_by_hand_over_ns": hand_over,
         }
-        print(json.dumps({"median_ns": med, "ratios": ratios, **figures}, indent=2))
+        print(json.dumps({"median_ns": med, "ratios": ratios, **figures, **feature_costs}, indent=2))
     return 0
 
 

@@ -28,8 +28,8 @@ from fp32scope import (
     with_fp32_precision,
 )
 from fp32scope._flags import torch_flags as _flags
-from tests._support.common import FULL
-from tests._support.compiled import forbid_recompiles
+from tests._support.common import DEFAULT, FULL
+from tests._support.compiled import Recording, forbid_recompiles
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -255,3 +255,33 @@ def test_compiling_the_proxy_itself_also_runs_the_module_in_its_scope() -> None:
         torch.testing.assert_close(compiled(x), module(x))
     assert seen[0] == "highest"
     assert torch.get_float32_matmul_precision() == "high"
+
+
+def test_regional_compilation_compiles_each_block_in_its_precision_with_no_graph_break() -> None:
+    # The compiled guide's recipe: each block compiled on its own, the scoped one inside its
+    # proxy, the stack itself eager. No graph breaks, and each block's forward and backward
+    # graphs compiled under its own precision: the scoped block's in its scope. The blocks
+    # share their code, whose cache gets one entry per cuBLAS TF32 setting (Dynamo guards
+    # it); on releases that inline nn modules the unscoped blocks share one entry.
+    torch.manual_seed(0)
+    recording = Recording()
+
+    def block() -> torch.nn.Module:
+        compiled = torch.compile(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()), backend=recording.backend()
+        )
+        return cast("torch.nn.Module", compiled)
+
+    blocks = [block(), cast("torch.nn.Module", Fp32ScopedModule(block(), FULL)), block()]
+    stack = torch.nn.Sequential(*blocks)
+    set_process_default(DEFAULT)
+    x = torch.randn(4, 8, requires_grad=True)
+    stack(x).square().sum().backward()
+    with forbid_recompiles():
+        stack(x).square().sum().backward()
+    assert sum(counters["graph_break"].values()) == 0
+    for compiled in (recording.forward, recording.backward):
+        assert compiled.count("highest") == 1, compiled  # the scoped block, in its scope, once
+        assert set(compiled) == {"high", "highest"}, compiled
+    assert recording.forward[:2] == ["high", "highest"]  # call order: block 0, then the scoped block 1
+    assert torch.get_float32_matmul_precision() == DEFAULT.matmul
