@@ -193,6 +193,14 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         with no_grad, bf16_autocast, reused:
             bare_arg(bf16)
 
+    def proxy_with_an_argument() -> None:
+        with no_grad:
+            keeps_autocast(bf16)
+
+    def scope_with_an_argument() -> None:
+        with no_grad, reused:
+            bare_arg(bf16)
+
     def proxy_profiled() -> None:
         with no_grad:
             proxy()
@@ -237,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         "by hand: autocast(enabled=False) + x.float() + reused scope, same call": by_hand_autocast_off,
         "Fp32ScopedModule call keeping the caller's autocast, under no_grad + autocast": proxy_under_autocast,
         "one scope object reused around the bare call, under no_grad + autocast": scope_under_autocast,
+        "the same proxy call with its bf16 argument, under no_grad, no autocast": proxy_with_an_argument,
+        "one scope object reused around the same bare call, under no_grad, no autocast": scope_with_an_argument,
         "Fp32ScopedModule call under no_grad, inside torch.profiler.profile()": proxy_profiled,
         "one scope object reused around the bare nn.Module call, under no_grad, inside the profiler": scope_profiled,
         "the parameter-dtype check of a first call, Linear(16, 16) in float32": parameter_check,
@@ -331,7 +341,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     autocast_on = (
         med["Fp32ScopedModule call keeping the caller's autocast, under no_grad + autocast"]
         - med["one scope object reused around the bare call, under no_grad + autocast"]
-    ) - proxy_no_grad_over
+    ) - (
+        med["the same proxy call with its bf16 argument, under no_grad, no autocast"]
+        - med["one scope object reused around the same bare call, under no_grad, no autocast"]
+    )
     read = med["one read of the proxy's own attribute (the check's flag)"] - bare
     check_once = med["the parameter-dtype check of a first call, Linear(16, 16) in float32"] - bare
     print(f"  trace(): off {checks_off:.1f} (the trace/profiler checks, shared); on +{trace_on:.1f}")
