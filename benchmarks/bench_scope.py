@@ -76,6 +76,23 @@ def floor_switch_both() -> None:
     _C._set_float32_matmul_precision("high")
 
 
+def legacy_floor_switch_both() -> None:
+    """The same, on a torch without the per-backend API (before 2.9): the legacy calls alone.
+
+    There the legacy enum and bool are the whole state: enter reads and writes each field,
+    exit reads (still held?) and writes back.
+    """
+    _C._get_float32_matmul_precision()
+    _C._set_float32_matmul_precision("highest")
+    _C._get_cudnn_allow_tf32()
+    _C._set_cudnn_allow_tf32(False)
+    noop()
+    _C._get_cudnn_allow_tf32()
+    _C._set_cudnn_allow_tf32(True)
+    _C._get_float32_matmul_precision()
+    _C._set_float32_matmul_precision("high")
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one flat script)
     """Measure, print the figures and ratios (and JSON with ``--json``)."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -219,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
 
     cases: dict[str, Callable[[], object]] = {
         "bare no-op call": noop,
-        "floor: raw _C calls of an exact switch, inline": floor_switch_both,
+        "floor: raw _C calls of an exact switch, inline": (
+            floor_switch_both if _flags.HAS_NEW_API else legacy_floor_switch_both
+        ),
         "fp32_precision_scope, both fields switch": scope_both,
         "fp32_precision_scope, matmul only switches": scope_matmul,
         "fp32_precision_scope, flags already match (fast path)": scope_fast,
