@@ -20,6 +20,7 @@ CPU build on disk was made for is a CUDA build, about 5 GB of venv.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -207,7 +208,7 @@ def examples(session: nox.Session, torch: str) -> None:
         session.run("python", str(script))
 
 
-@nox.session
+@nox.session(tags=["mutation"])
 @nox.parametrize("torch", TORCH_VERSIONS)
 def mutation(session: nox.Session, torch: str) -> None:
     """Mutation testing (mutmut, pinned in the ``mutation`` extra): prints the score and the survivors.
@@ -219,11 +220,59 @@ def mutation(session: nox.Session, torch: str) -> None:
     mutant not killed, with its diff, and fails under 90%. Slow (about an hour on two busy
     cores), so in neither the default sessions nor CI; results stay in ``mutants/`` and a
     rerun tests only the mutants of changed functions. Arguments after ``--`` go to
-    ``mutmut run`` (``--max-children N``, or mutant names to rerun).
+    ``mutmut run`` (``--max-children N``, or mutant names to rerun). The code that only
+    another release runs (entries tagged ``[on RELEASE]`` in the equivalents file) is left
+    out of this score: ``nox -s mutation-2.4.1`` and ``nox -s mutation-2.15.0`` mutate it on
+    its release, and ``nox -t mutation`` runs all three.
     """
     install(session, torch, "mutation")
-    # One OpenMP thread: mutmut forks each mutant's run, and a fork of a process whose
-    # OpenMP pool has run hangs at its first parallel kernel (tests/_support/mutation_plugin.py).
-    one_thread = {"OMP_NUM_THREADS": "1"}
-    session.run("mutmut", "run", *session.posargs, env=one_thread)
-    session.run("python", "tests/_support/mutation_report.py", "--rerun-survivors", env=one_thread)
+    session.run("mutmut", "run", *session.posargs, env=ONE_THREAD)
+    session.run("python", "tests/_support/mutation_report.py", "--rerun-survivors", env=ONE_THREAD)
+
+
+# One OpenMP thread: mutmut forks each mutant's run, and a fork of a process whose OpenMP
+# pool has run hangs at its first parallel kernel (tests/_support/mutation_plugin.py).
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+#: The releases whose own code the default torch never runs, mutated there by ``nox -s mutation-<release>``:
+#: the legacy implementation (torch < 2.9) on 2.4.1, cuda matmul "bfx9" on 2.15.0.
+MUTATION_RELEASES = ["2.4.1", "2.15.0"]
+
+
+def _mutation_tree(release: str) -> Path:
+    """A fresh copy of what mutmut reads, in ``.mutation/<release>/``, apart from the default run's ``mutants/``.
+
+    Its ``mutants/`` starts empty each time: these runs take minutes, and mutmut keeps a
+    cached verdict when only the test selection or the equivalents file changed.
+    """
+    work = Path(".mutation") / release
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    for folder in ("fp32scope", "tests"):
+        shutil.copytree(folder, work / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2("pyproject.toml", work / "pyproject.toml")
+    return work
+
+
+def _release_mutation(release: str) -> Callable[[nox.Session], None]:
+    def run_mutation(session: nox.Session) -> None:
+        install(session, release, "mutation")
+        report = ["python", "tests/_support/mutation_report.py", "--release", release]
+        listed = session.run(*report, "--selection", silent=True)
+        patterns = str(listed).split() if session.posargs == [] else list(session.posargs)
+        session.chdir(_mutation_tree(release))
+        session.run("mutmut", "run", *patterns, env=ONE_THREAD)
+        only = [arg for pattern in patterns for arg in ("--only", pattern)]
+        session.run(*report, "--rerun-survivors", *only, env=ONE_THREAD)
+
+    run_mutation.__doc__ = (
+        f"Mutation testing of the code that only torch {release} of the tested releases runs, on that torch.\n\n"
+        f"Mutates the mutants that ``tests/_support/mutation_equivalents.txt`` tags ``[on {release}]`` (or the "
+        f"mutant names or globs after ``--``), in a copy of the tree in ``.mutation/{release}/``, and reports "
+        "their score alone. Part of ``nox -t mutation``."
+    )
+    return run_mutation
+
+
+for _release in MUTATION_RELEASES:
+    nox.session(name=f"mutation-{_release}", tags=["mutation"])(_release_mutation(_release))

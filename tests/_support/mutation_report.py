@@ -12,15 +12,27 @@ the rest and every unexplained survivor with its diff, and exits non-zero when t
 under ``TARGET``.
 An entry of the equivalents file that no longer matches a surviving mutant is printed as
 stale, so that the file does not outlive the code it explains.
+
+Entries tagged ``[on RELEASE]`` name code that runs on one line of torch releases only (the
+legacy implementation, on torch < 2.9; cuda matmul "bfx9", from 2.15): ``--selection``
+prints their patterns for that release, which ``nox -s mutation-RELEASE`` mutates there, and
+``--only PATTERN`` (given once per pattern) limits the score to the mutants they match. On the
+release an entry is tagged with, it explains nothing (its mutants count); on every other
+release it explains its survivors as "mutated on torch RELEASE". ``--release`` is the torch
+release the run is on (default: the installed torch's).
 """
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
+import re
 import subprocess
 import sys
 from collections import Counter
+from importlib import metadata
 from pathlib import Path
+from typing import NamedTuple
 
 TARGET = 0.90
 EQUIVALENTS = Path(__file__).with_name("mutation_equivalents.txt")
@@ -46,40 +58,90 @@ def results() -> dict[str, str]:
     return found
 
 
-def equivalents() -> list[tuple[str, str]]:
-    """(pattern, reason) per line of the equivalents file: a mutant name or an fnmatch glob, then ``  # `` and why."""
+class Entry(NamedTuple):
+    """One line of the equivalents file."""
+
+    pattern: str
+    reason: str
+    #: The torch release whose run mutates these mutants (``[on RELEASE]``), or None: equivalent everywhere.
+    on: str | None
+
+
+_TAG = re.compile(r"\[on (?P<release>[0-9][0-9.]*)\]\s+")
+
+
+def equivalents() -> list[Entry]:
+    """Each line of the equivalents file: ``[on RELEASE] `` or nothing, a mutant name or fnmatch glob, ``  # ``, why."""
     entries = []
     for raw in EQUIVALENTS.read_text().splitlines():
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        pattern, _, reason = line.partition("  # ")
-        entries.append((pattern.strip(), reason.strip()))
+        tag = _TAG.match(line)
+        on = tag["release"] if tag else None
+        pattern, _, reason = line[tag.end() if tag else 0 :].partition("  # ")
+        entries.append(Entry(pattern.strip(), reason.strip(), on))
     return entries
 
 
-def explain(statuses: dict[str, str], entries: list[tuple[str, str]]) -> tuple[dict[str, str], set[str]]:
-    """The reason for each mutant not killed that an entry explains, and the entries used."""
+def selection(entries: list[Entry], release: str) -> list[str]:
+    """The patterns of the entries tagged ``[on release]``: what that release's run mutates."""
+    return [entry.pattern for entry in entries if entry.on == release]
+
+
+def explain(statuses: dict[str, str], entries: list[Entry], release: str) -> tuple[dict[str, str], set[str]]:
+    """The reason for each mutant not killed that an entry explains on ``release``, and the patterns used.
+
+    Untagged entries (equivalent on every release) are tried first; a tagged entry explains
+    only off its own release.
+    """
     explained: dict[str, str] = {}
     used: set[str] = set()
+    ordered = [e for e in entries if e.on is None] + [e for e in entries if e.on is not None and e.on != release]
     for name, status in statuses.items():
         if status not in NOT_KILLED:
             continue
-        for pattern, reason in entries:
-            if fnmatch.fnmatchcase(name, pattern):
-                explained[name] = reason
-                used.add(pattern)
+        for entry in ordered:
+            if fnmatch.fnmatchcase(name, entry.pattern):
+                explained[name] = (
+                    entry.reason if entry.on is None else f"mutated on torch {entry.on} (nox -s mutation-{entry.on})"
+                )
+                used.add(entry.pattern)
                 break
     return explained, used
 
 
-def rerun_survivors() -> None:
+def stale(statuses: dict[str, str], entries: list[Entry], used: set[str]) -> list[Entry]:
+    """The entries that no longer explain anything: untagged ones matching no survivor, tagged ones no mutant."""
+    found = []
+    for entry in entries:
+        if entry.on is None:
+            if entry.pattern not in used:
+                found.append(entry)
+        elif not any(fnmatch.fnmatchcase(name, entry.pattern) for name in statuses):
+            found.append(entry)
+    return found
+
+
+def only(statuses: dict[str, str], patterns: list[str]) -> dict[str, str]:
+    """The statuses of the mutants matching one of ``patterns`` (all of them for no patterns)."""
+    if not patterns:
+        return statuses
+    return {n: s for n, s in statuses.items() if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+
+
+def installed_release() -> str:
+    """The installed torch's release, without its local part ("2.4.1" for "2.4.1+cpu")."""
+    return metadata.version("torch").partition("+")[0]
+
+
+def rerun_survivors(release: str, patterns: list[str]) -> None:
     """Run every surviving mutant that counts again, by name, so that its verdict is the by-name one.
 
     The mutants the equivalents file explains are left out of the score either way.
     """
-    statuses = results()
-    explained, _ = explain(statuses, equivalents())
+    statuses = only(results(), patterns)
+    explained, _ = explain(statuses, equivalents(), release)
     # "no tests" too: a test added since the full run may reach the mutated function now.
     survivors = [
         name for name, status in statuses.items() if status in {"survived", "no tests"} and name not in explained
@@ -90,20 +152,36 @@ def rerun_survivors() -> None:
         subprocess.run(["mutmut", "run", "--max-children", "1", *survivors], check=True)  # noqa: S603, S607
 
 
-def main() -> int:
-    if "--rerun-survivors" in sys.argv[1:]:
-        rerun_survivors()
-    statuses = results()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rerun-survivors", action="store_true", help="run each counted survivor again by name first")
+    parser.add_argument("--release", default=None, help="the torch release of the run (default: the installed one)")
+    parser.add_argument("--only", action="append", default=[], metavar="PATTERN", help="score these mutants only")
+    parser.add_argument("--selection", action="store_true", help="print the patterns tagged [on RELEASE] and exit")
+    args = parser.parse_args(argv)
+    release: str = args.release or installed_release()
+    entries = equivalents()
+    if args.selection:
+        patterns = selection(entries, release)
+        if not patterns:
+            print(f"mutation_report: no entry is tagged [on {release}]", file=sys.stderr)
+            return 2
+        print("\n".join(patterns))
+        return 0
+    if args.rerun_survivors:
+        rerun_survivors(release, args.only)
+    statuses = only(results(), args.only)
     if not statuses:
         print("mutation_report: no results: run `mutmut run` first", file=sys.stderr)
         return 2
-    entries = equivalents()
-    explained, used = explain(statuses, entries)
+    explained, used = explain(statuses, entries, release)
     counted = {n: s for n, s in statuses.items() if n not in explained and s not in PENDING}
     tally = Counter(counted.values())
     killed = sum(tally[status] for status in KILLED)
     score = killed / len(counted) if counted else 0.0
-    print(f"mutants: {len(statuses)}; explained (equivalent or unreachable here): {len(explained)}")
+    scope = f", the mutants of {len(args.only)} patterns" if args.only else ""
+    print(f"torch {release}{scope}")
+    print(f"mutants: {len(statuses)}; explained (equivalent, or mutated on another release): {len(explained)}")
     print("counted: " + ", ".join(f"{status} {n}" for status, n in sorted(tally.items())))
     by_reason = Counter(explained.values())
     for reason, n in sorted(by_reason.items(), key=lambda item: -item[1]):
@@ -112,9 +190,10 @@ def main() -> int:
     for name in unexplained:
         print(f"\n--- not killed ({counted[name]}): {name}")
         print(_mutmut("show", name).rstrip())
-    for pattern, reason in entries:
-        if pattern not in used:
-            print(f"stale entry in {EQUIVALENTS.name} (matches no surviving mutant): {pattern}  # {reason}")
+    # With --only, the file's other entries are about mutants this run did not score.
+    for entry in stale(statuses, entries, used) if not args.only else []:
+        tag = f"[on {entry.on}] " if entry.on else ""
+        print(f"stale entry in {EQUIVALENTS.name} (explains nothing here): {tag}{entry.pattern}  # {entry.reason}")
     pending = sum(1 for s in statuses.values() if s in PENDING)
     if pending:
         print(f"\nnot checked yet: {pending} (the run was interrupted; `mutmut run` resumes)")
@@ -122,7 +201,10 @@ def main() -> int:
         f"\nof all {len(statuses)} mutants: {killed} killed, {len(explained)} explained, "
         f"{len(counted) - killed} not killed, {pending} not checked"
     )
-    print(f"mutation score: {score:.1%} killed ({killed} of the {len(counted)} not explained); target {TARGET:.0%}")
+    print(
+        f"mutation score on torch {release}: {score:.1%} killed ({killed} of the {len(counted)} not explained); "
+        f"target {TARGET:.0%}"
+    )
     return 0 if score >= TARGET and not pending else 1
 
 

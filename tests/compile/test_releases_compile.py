@@ -8,7 +8,8 @@ test says which and checks that behaviour too. The defects these tests pin (issu
 2. torch 2.4 and 2.8: a scope in a ``fullgraph=True`` region failed without the library's
    message;
 3. torch <= 2.8: a compile inside a "medium" scope was blamed on the wrapped code, and a
-   scope that leaves the matmul field alone let Dynamo's "medium" -> "high" escape;
+   scope that leaves the matmul field alone let Dynamo's "medium" -> "high" escape (its
+   tests are in ``tests/flags/test_legacy_dynamo.py``, which the mutation run selects);
 4. torch 2.4: a compiled parent broke on the proxy's ``__wrapped__`` (or, for a torch.nn
    child, traced the child into its own graph, outside the scope).
 
@@ -31,7 +32,6 @@ from torch._dynamo.utils import counters
 
 from fp32scope import (
     Fp32EagerFallbackWarning,
-    Fp32FlagsChangedWarning,
     Fp32Precision,
     Fp32ScopedModule,
     _compat,
@@ -41,7 +41,7 @@ from fp32scope import (
 )
 from fp32scope._flags import eager_fallback as _eager_fallback
 from fp32scope._flags import torch_flags as _flags
-from fp32scope._flags.dynamo_exclude import _REASON, dynamo_resets_medium
+from fp32scope._flags.dynamo_exclude import _REASON
 from tests._support.common import COMPILING_MESSAGE, FULL
 from tests._support.compiled import forbid_recompiles
 
@@ -304,59 +304,3 @@ def test_a_wrapper_in_a_fullgraph_region_names_itself() -> None:
         assert "disable() wrapped function <function test_a_wrapper_in_a_fullgraph_region_names_itself" in str(
             info.value
         )
-
-
-# -- defect 3: Dynamo's "medium" -> "high" on torch <= 2.8 ---------------------------------
-
-
-def test_the_medium_reset_fact_is_what_an_unwrapped_compile_does() -> None:
-    found = dynamo_resets_medium()
-    torch.set_float32_matmul_precision("medium")
-
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        return x * 3
-
-    torch.compile(fn, backend="eager")(torch.ones(2))
-    assert found is (torch.get_float32_matmul_precision() != "medium")
-    # Observed: 2.4.1 and 2.8.0 reset; 2.10.0, 2.13.0, 2.14.1 and 2.15.0 do not (the docs say so).
-    assert found is _compat.DYNAMO_RESETS_MEDIUM
-
-
-@pytest.mark.parametrize("default", ["highest", "high", "medium"])
-def test_a_medium_node_compiling_in_its_scope_is_not_blamed_and_restores_exactly(default: str) -> None:
-    # torch 2.4 and 2.8 warned "The code inside an fp32_precision_scope around 'Linear'
-    # changed the float32 precision flags" at the first call: Dynamo's own reset.
-    torch.set_float32_matmul_precision(default)
-    before = _flags.save_raw_state()
-    node = Fp32ScopedModule(torch.compile(torch.nn.Linear(4, 4), backend="eager"), Fp32Precision("medium"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Fp32FlagsChangedWarning)
-        with torch.no_grad():
-            node(torch.randn(2, 4))  # compiles
-            node(torch.randn(3, 4))  # recompiles (a new shape), on torch <= 2.8 a reset again
-            node(torch.randn(3, 4))
-    assert _flags.save_raw_state() == before
-
-
-def test_a_medium_scope_still_warns_about_the_wrapped_code_changing_the_flags() -> None:
-    # The control: only a reset during a Dynamo compile is torch's; this one is the code's.
-    @with_fp32_precision(Fp32Precision("medium"))
-    def sets_high() -> None:
-        torch.set_float32_matmul_precision("high")
-
-    torch.set_float32_matmul_precision("highest")
-    with pytest.warns(Fp32FlagsChangedWarning, match="around 'test_a_medium_scope_still_warns"):
-        sets_high()
-    assert torch.get_float32_matmul_precision() == "highest"
-
-
-def test_a_cudnn_only_node_leaves_a_medium_default_as_it_found_it() -> None:
-    # torch 2.4 and 2.8: the node's compile turned the process's "medium" into "high" for
-    # good, although the node's scope is about cuDNN only.
-    set_process_default(Fp32Precision("medium", True))
-    before = _flags.save_raw_state()
-    node = Fp32ScopedModule(torch.compile(torch.nn.Linear(4, 4), backend="eager"), Fp32Precision(None, False))
-    with torch.no_grad():
-        node(torch.randn(2, 4))
-    assert _flags.save_raw_state() == before
-    assert torch.get_float32_matmul_precision() == "medium"

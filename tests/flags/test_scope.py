@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
 
@@ -98,6 +99,20 @@ def test_one_scope_object_can_be_reentered() -> None:
                 assert legacy()[0] == "highest"
             assert legacy()[0] == "medium"
         assert legacy()[0] == "highest"
+    assert legacy()[0] == "high"
+
+
+def test_a_medium_scope_object_can_be_reentered() -> None:
+    # "medium" scopes are of their own class on torch < 2.9 (Dynamo's reset): re-entry
+    # restores last-in, first-out there too.
+    torch.set_float32_matmul_precision("high")
+    medium = fp32_precision_scope(Fp32Precision("medium", False))
+    with medium:
+        with fp32_precision_scope(Fp32Precision("highest", True)):
+            with medium:
+                assert legacy() == ("medium", False)
+            assert legacy() == ("highest", True)
+        assert legacy() == ("medium", False)
     assert legacy()[0] == "high"
 
 
@@ -311,6 +326,25 @@ def test_a_legacy_release_runs_the_legacy_implementation() -> None:
     assert _scope._restore is _flags.legacy_restore
     assert set(_flags.read_all()) == {_flags.LEGACY_MATMUL, _flags.LEGACY_CUBLAS, _flags.LEGACY_CUDNN}
     assert not hasattr(torch._C, "_get_fp32_precision_getter")
+
+
+@needs_legacy_only
+@pytest.mark.parametrize(
+    "call",
+    [lambda: _flags.raw_all("cuda"), lambda: _flags.raw_op("cuda", "matmul")],
+    ids=["raw_all", "raw_op"],
+)
+def test_the_per_backend_readers_on_a_legacy_release_say_which_torch_they_need(call: Callable[[], object]) -> None:
+    # The per-backend implementation stays importable there (the tests run it on new
+    # releases); called on torch < 2.9 it says so instead of failing inside torch._C.
+    before = _flags.read_all()
+    msg = (
+        f"fp32scope: torch {torch.__version__} has no per-backend fp32_precision API (torch >= 2.9); "
+        "this function is for torch >= 2.9 only"
+    )
+    with pytest.raises(RuntimeError, match=f"^{re.escape(msg)}$"):
+        call()
+    assert _flags.read_all() == before
 
 
 @needs_legacy_only
