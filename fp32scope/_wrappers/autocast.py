@@ -15,7 +15,9 @@ argument says what happens then:
   (:class:`~fp32scope.Fp32AutocastWarning`) once.
 
 Outside autocast a wrapper adds one C call (``torch._C._is_any_autocast_enabled``) and
-nothing else. The cast happens before the wrapper's scope and its autograd boundary: the
+nothing else, and only while its policy has something to do under autocast
+(``autocast=False``, or a node asking for full float32 that has not warned yet); any other
+wrapper does not ask. The cast happens before the wrapper's scope and its autograd boundary: the
 casts' backward (back to the caller's dtype) belongs to the caller's graph, as the casts a
 hand-written ``.float()`` makes do.
 

@@ -136,7 +136,7 @@ def _scoped_function(  # noqa: PLR0913, PLR0917  (private; built once per wrappe
 
     def scoped(*args: Any, **kwargs: Any) -> Any:
         # Under torch.autocast: warn, or call again with autocast off (one C call outside).
-        if any_autocast() and policy.action is not None:
+        if policy.action is not None and any_autocast():  # nothing to do under autocast: no C call
             return run_under_autocast(policy, scoped, args, kwargs)
         if grad_enabled() and backward:
             fn = compiled_call(target, trampoline) if active_callback() else target

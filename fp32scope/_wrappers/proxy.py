@@ -174,7 +174,7 @@ class Fp32ScopedModule(_ProxyBase):
             self._self_check_parameters = False
             warn_low_precision_parameters(self.__wrapped__, self._self_precision, self._self_name)
         # Under torch.autocast: warn, or call again with autocast off (one C call outside).
-        if any_autocast() and self._self_autocast.action is not None:
+        if self._self_autocast.action is not None and any_autocast():  # nothing to do under autocast: no C call
             return run_under_autocast(self._self_autocast, self, args, kwargs)
         if grad_enabled() and self._self_backward:  # no_grad / inference_mode: one C call
             fn = self.__wrapped__
@@ -326,7 +326,7 @@ def _scoped_forward(  # noqa: PLR0913, PLR0917  (one closure per property read: 
     trampoline: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     def scoped_forward(*args: Any, **kwargs: Any) -> Any:
-        if any_autocast() and policy.action is not None:
+        if policy.action is not None and any_autocast():  # nothing to do under autocast: no C call
             return run_under_autocast(policy, scoped_forward, args, kwargs)
         fn = forward
         if active_callback():  # a compiled caller: compile the forward here, inside the scope

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fp32scope import Fp32FlagsChangedWarning, Fp32Precision, Fp32ScopeError, fp32_precision_scope
+from fp32scope._flags import hooks as _hooks
 from fp32scope._flags import scope as _scope
 from fp32scope._flags import torch_flags as _flags
 from tests._support.common import ALL, COMPILING_MESSAGE, BoomError
@@ -425,3 +426,32 @@ def test_refusal_message_is_raised_as_fp32_scope_error(monkeypatch: pytest.Monke
         pass
     assert _flags.save_raw_state() == raw
     assert _scope.active_scope_thread() is None
+
+
+class _RangeRefused:
+    """A profiler range that cannot be opened: an interrupt at that moment."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        raise KeyboardInterrupt
+
+
+def test_a_wrapper_scope_whose_range_cannot_open_exits_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The scope has applied its precision when the profiler range fails, inside __enter__,
+    # so the `with` never runs its exit: the scope restores the flags itself, releases the
+    # thread, and the interrupt leaves unchanged.
+    monkeypatch.setattr(_hooks, "_record_function", _RangeRefused)
+    torch.set_float32_matmul_precision("high")
+    before = _flags.save_raw_state()
+    scope = _scope.wrapper_scope(Fp32Precision("highest", False), "head")
+    with torch.profiler.profile(), pytest.raises(KeyboardInterrupt) as info:
+        with scope:
+            pytest.fail("the block must not run")
+    assert type(info.value) is KeyboardInterrupt
+    assert _flags.save_raw_state() == before
+    assert _scope.active_scope_thread() is None
+    with scope:  # usable again: nothing of the failed entry is left on it
+        assert legacy() == ("highest", False)
+    assert _flags.save_raw_state() == before

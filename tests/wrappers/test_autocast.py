@@ -35,6 +35,8 @@ from fp32scope import (
 )
 from fp32scope._tools.doctor import environment_overrides
 from fp32scope._wrappers import autocast as _autocast
+from fp32scope._wrappers import decorator as _decorator
+from fp32scope._wrappers import proxy as _proxy
 from tests._support.autocast_model import BF16, STEPS, HandRouter, Router, pair, train
 from tests._support.common import FULL, ROOT
 
@@ -632,3 +634,34 @@ def test_doctor_exits_1_on_an_override(variable: str) -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "TF32 OVERRIDDEN by the environment: 1 variable(s):" in proc.stdout
     assert f"  - {variable}: " in proc.stdout
+
+
+def test_only_a_policy_with_something_to_do_asks_whether_autocast_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The docs: outside autocast the read is the wrapper's one cost, and only while its policy
+    # has something to do under autocast. Counted on the wrappers' own binding of torch's call.
+    reads: list[bool] = []
+
+    def counted() -> bool:
+        reads.append(True)
+        return _autocast.any_autocast()
+
+    monkeypatch.setattr(_proxy, "any_autocast", counted)
+    monkeypatch.setattr(_decorator, "any_autocast", counted)
+    x = torch.randn(2, 4)
+    keep = Fp32ScopedModule(torch.nn.Linear(4, 4), FULL, autocast=True)
+    high = with_fp32_precision(Fp32Precision("high"))(torch.nn.functional.relu)
+    with torch.no_grad():
+        keep(x)
+        keep.forward(x)
+        high(x)
+    assert reads == []
+    full = Fp32ScopedModule(torch.nn.Linear(4, 4), FULL)  # warns once under autocast
+    with torch.no_grad():
+        full(x)
+        assert len(reads) == 1
+        with torch.autocast("cpu", torch.bfloat16), pytest.warns(Fp32AutocastWarning):
+            full(x)
+        assert len(reads) == 2
+        full(x)  # warned: nothing left to do under autocast
+        full.forward(x)
+    assert len(reads) == 2
