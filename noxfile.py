@@ -259,7 +259,7 @@ def _release_mutation(release: str) -> Callable[[nox.Session], None]:
         install(session, release, "mutation")
         report = ["python", "tests/_support/mutation_report.py", "--release", release]
         listed = session.run(*report, "--selection", silent=True)
-        patterns = str(listed).split() if session.posargs == [] else list(session.posargs)
+        patterns = list(session.posargs) if session.posargs else str(listed).split()
         session.chdir(_mutation_tree(release))
         session.run("mutmut", "run", *patterns, env=ONE_THREAD)
         only = [arg for pattern in patterns for arg in ("--only", pattern)]
