@@ -6,11 +6,18 @@ import sys
 import threading
 import warnings
 from types import TracebackType
-from typing import Any, Final, NoReturn
+from typing import Any, Final, Literal, NoReturn
 
 import torch
 
-from fp32scope._compat import DYNAMO_RESETS_MEDIUM, DYNAMO_TRACES_SCOPES_MADE_INSIDE, is_exporting
+from fp32scope._compat import (
+    COMPILER_STATE,
+    COMPILING_FLAG,
+    DYNAMO_RESETS_MEDIUM,
+    DYNAMO_TRACES_SCOPES_MADE_INSIDE,
+    is_dynamo_compiling,
+    is_exporting,
+)
 from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
 from fp32scope._flags import dynamo_exclude, torch_flags
 from fp32scope._flags.autograd_threads import runs_backward_for
@@ -31,9 +38,13 @@ __all__ = [
     "wrapper_scope",
 ]
 
-# Bound once: every scoped call goes through these. Dynamo recognises
-# torch.compiler.is_compiling by identity, so the alias still folds to True while tracing.
-_is_compiling = torch.compiler.is_compiling
+# Bound once: every scoped call goes through these. Whether torch.compile or torch.export
+# traces is torch.compiler.is_compiling(), read as its two parts (_compat): Dynamo folds
+# is_dynamo_compiling() to True while it traces, and outside Dynamo is_compiling() returns
+# torch.compiler's module flag, read here from the module's dict.
+_is_dynamo_compiling = is_dynamo_compiling
+_compiler_state = COMPILER_STATE
+_COMPILING_FLAG: Final = COMPILING_FLAG
 _get_ident = threading.get_ident
 
 # Which thread is inside a scope that changes flags. The flags are process-wide, so a
@@ -46,6 +57,7 @@ _depth = 0
 _claim = _owner.setdefault
 _apply = torch_flags.apply
 _restore = torch_flags.restore
+_held_check = torch_flags.held_check
 
 Token = torch_flags.Token
 
@@ -222,11 +234,11 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
 
     # _marks is used by _LegacyDynamoScope only; declared here so that an instance can
     # switch to that subclass (same layout) when it is made.
-    __slots__ = ("_fields", "_marks", "_name", "_outer", "_phase", "_stacklevel", "_token")
+    __slots__ = ("_fields", "_held", "_marks", "_name", "_outer", "_phase", "_stacklevel", "_token")
     _phase: str  # set by wrapper_scope only: "forward" or "backward", for fp32scope.trace()
 
     def __init__(self, precision: Fp32Precision | None) -> None:
-        if _REFUSE_WHEN_MADE and _is_compiling():
+        if _REFUSE_WHEN_MADE and (_is_dynamo_compiling() or _compiler_state[_COMPILING_FLAG]):
             _refuse_traced()
         # The common case inline (this runs on every scoped call); split() checks the rest
         # and raises with the field named. An Fp32Precision is itself the (matmul, cudnn) pair.
@@ -237,6 +249,13 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
             self._fields: tuple[str | None, bool | None] | None = precision
         else:
             self._fields = split(precision)
+        # What the entries have found. False: not entered yet; its entry runs apply, which
+        # finds out whether the flags hold the precision (a scope made for one `with` pays
+        # nothing more). Once entered again (a scope object kept and re-entered, a
+        # wrapper's scope), the scope learns: None while its entries switch, its held
+        # check (torch_flags) while they find the precision held, which entry and exit then
+        # run in place of apply and restore.
+        self._held: torch_flags.HeldCheck | Literal[False] | None = False
         self._token: Token | None = None
         self._outer: list[Token] | None = None  # tokens of outer entries of this same object
         self._name: str | None = None
@@ -250,13 +269,13 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
         """The precision this scope applies, or None when it changes nothing."""
         return None if self._fields is None else Fp32Precision(*self._fields)  # type: ignore[arg-type]
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> None:  # noqa: C901  (hot path: one flat method on purpose)
         fields = self._fields
         if fields is None:
             return
         # Dynamo folds this call to True while it traces, so a scope entered in traced code
         # refuses there (a graph break, or under fullgraph=True an error with the message).
-        if _is_compiling():
+        if _is_dynamo_compiling() or _compiler_state[_COMPILING_FLAG]:
             _refuse_traced()
         me = _get_ident()
         owner = _claim(0, me)
@@ -266,7 +285,16 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
         global _depth  # noqa: PLW0603
         _depth += 1
         try:
-            token = _apply(fields[0], fields[1])
+            held = self._held
+            if held:  # the last entry found the precision held: most likely still so
+                token = held()
+                if token is None:
+                    token = _apply(fields[0], fields[1])
+                    self._held = None
+            else:
+                token = _apply(fields[0], fields[1])
+                if held is None and token[2] is None and type(token[3]) is not tuple:  # wrote nothing
+                    self._held = _held_check(fields[0], fields[1])
         except BaseException:  # only an interrupt or a torch error between our own calls
             _release()
             raise
@@ -296,7 +324,16 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
             _trace_exit(_depth)
         self._token = self._outer.pop() if self._outer else None
         try:
-            changed = _restore(token)
+            # An entry that wrote nothing, whose precision still holds: restore would write
+            # nothing and find nothing changed.
+            held = self._held
+            sc = token[3]
+            if held and token[2] is None and (sc is None or type(sc) is str) and held() is not None:
+                changed = None
+            else:
+                if held is False:  # exited once: from the next entry on, it learns
+                    self._held = None
+                changed = _restore(token)
         finally:
             # _release(), inline: this runs on every scoped call.
             _depth -= 1
@@ -376,12 +413,15 @@ def wrapper_scope(precision: Fp32Precision | None, name: str, phase: str = "forw
     """A scope for a wrapper to enter around each call; warnings point at the wrapper's caller.
 
     ``phase`` (``"forward"``, or ``"backward"`` for a recorded call's backward) is what
-    :func:`fp32scope.trace` and the profiler ranges report for its entries.
+    :func:`fp32scope.trace` and the profiler ranges report for its entries. It learns
+    from its first entry on whether its entries find the precision held (see
+    ``fp32_precision_scope.__init__``).
     """
     scope = fp32_precision_scope(precision)
     scope._name = name
     scope._phase = phase
     scope._stacklevel = 3
+    scope._held = None
     return scope
 
 

@@ -23,22 +23,22 @@ getters and setters bound to module globals, no allocation beyond small tuples.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final, NoReturn
+from collections.abc import Callable
+from typing import Final, NoReturn
 
 import torch
 
 from fp32scope._compat import HAS_BFX9, HAS_PER_BACKEND_API
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
 __all__ = [
     "HAS_NEW_API",
     "RAISES",
     "FlagReadings",
+    "HeldCheck",
     "RawState",
     "Token",
     "apply",
+    "held_check",
     "read_all",
     "restore",
     "restore_raw_state",
@@ -401,6 +401,79 @@ def restore(token: Token) -> str | None:  # noqa: C901, PLR0912, PLR0915  (hot p
     return note
 
 
+# -- held checks: the scope's fast path ---------------------------------------------
+# Where a scope finds its precision held (the common case of a node whose precision is the
+# process default), apply and restore would run their whole branch chains to write nothing.
+# A held check is one function per precision, made from the sources below by joining the
+# fields' tests: on entry and on exit the scope calls it and runs apply and restore only
+# where it fails. Each field's test is its "held" of apply's docstring, as apply and
+# restore inline it; tests/flags/test_held.py checks that a held check returns exactly
+# the token apply returns where apply writes nothing, and None everywhere else.
+
+_MATMUL_HELD: Final[dict[str, str]] = {
+    "highest": '_GM() == "highest"' + (' and _G("cuda", "matmul") != "bfx9"' if _BFX9 else ""),
+    "bfx9": '_GM() == "highest" and _G("cuda", "matmul") == "bfx9"',
+    "high": '_GM() == "high" and _GBLAS() is True and _G("mkldnn", "matmul") == "tf32"',
+    "medium": '_GM() == "medium" and _GBLAS() is True and _G("mkldnn", "matmul") == "bf16"',
+}
+# cuDNN first: in the usual switch (a full-float32 node under a TF32 default) its one read
+# fails the check, and it is the cheaper getter. False keeps cuda/all's reading in the
+# token, as apply does, so that restore can undo a block's flip of it.
+_CUDNN_HELD: Final[dict[bool, str]] = {
+    True: "_GB() is True",
+    False: '_GB() is False and (r := _G("cuda", "all")) != "tf32"',
+}
+_LEGACY_MATMUL_HELD: Final[dict[str, str]] = {t: f"_GM() == {t!r}" for t in ("highest", "high", "medium")}
+_LEGACY_CUDNN_HELD: Final[dict[bool, str]] = {True: "_GB() is True", False: "_GB() is False"}
+
+HeldCheck = Callable[[], "Token | None"]
+
+
+def _make_held_check(
+    t: str | None, b: bool | None, matmul: dict[str, str], cudnn: dict[bool, str], cudnn_reading: bool
+) -> HeldCheck:
+    tests = ([] if b is None else [cudnn[b]]) + ([] if t is None else [matmul[t]])
+    kept = "r" if b is False and cudnn_reading else "None"
+    source = (
+        "def held():\n"
+        "    try:\n"
+        f"        if {' and '.join(tests)}:\n"
+        f"            return ({t!r}, {b!r}, None, {kept})\n"
+        "    except RuntimeError:\n"
+        "        pass\n"
+        "    return None\n"
+    )
+    namespace: dict[str, object] = {}
+    exec(compile(source, f"<fp32scope held check {t!r}, {b!r}>", "exec"), globals(), namespace)  # noqa: S102
+    held: HeldCheck = namespace["held"]  # type: ignore[assignment]
+    held.__qualname__ = held.__name__ = f"held_{t}_{b}"
+    return held
+
+
+_HELD_CHECKS: dict[tuple[str | None, bool | None], HeldCheck] = {}
+_LEGACY_HELD_CHECKS: dict[tuple[str | None, bool | None], HeldCheck] = {}
+
+
+def held_check(t: str | None, b: bool | None) -> HeldCheck:
+    """The held check of (``t``, ``b``), not both None: apply's token where it would write nothing, else None."""
+    key = (t, b)
+    found = _HELD_CHECKS.get(key)
+    if found is None:
+        found = _HELD_CHECKS[key] = _make_held_check(t, b, _MATMUL_HELD, _CUDNN_HELD, cudnn_reading=True)
+    return found
+
+
+def legacy_held_check(t: str | None, b: bool | None) -> HeldCheck:
+    """:func:`held_check` for :func:`legacy_apply` (before torch 2.9: the legacy getters alone)."""
+    key = (t, b)
+    found = _LEGACY_HELD_CHECKS.get(key)
+    if found is None:
+        found = _LEGACY_HELD_CHECKS[key] = _make_held_check(
+            t, b, _LEGACY_MATMUL_HELD, _LEGACY_CUDNN_HELD, cudnn_reading=False
+        )
+    return found
+
+
 # -- whole state ----------------------------------------------------------------------
 
 
@@ -511,6 +584,7 @@ def legacy_read_all() -> FlagReadings:
 if not HAS_NEW_API:
     apply = legacy_apply
     restore = legacy_restore
+    held_check = legacy_held_check
     save_raw_state = legacy_save_raw_state
     restore_raw_state = legacy_restore_raw_state
     read_all = legacy_read_all

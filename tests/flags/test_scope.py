@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from fp32scope import Fp32FlagsChangedWarning, Fp32Precision, Fp32ScopeError, fp32_precision_scope
+from fp32scope import Fp32FlagsChangedWarning, Fp32Precision, Fp32ScopeError, _compat, fp32_precision_scope
 from fp32scope._flags import hooks as _hooks
 from fp32scope._flags import scope as _scope
 from fp32scope._flags import torch_flags as _flags
@@ -416,13 +416,27 @@ def test_entering_inside_a_fullgraph_region_is_an_error_with_the_message() -> No
 
 
 def test_refusal_message_is_raised_as_fp32_scope_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    # What Dynamo sees while tracing: is_compiling() is True there.
-    monkeypatch.setattr(_scope, "_is_compiling", lambda: True)
+    # What Dynamo sees while tracing: is_dynamo_compiling() folds to True there.
+    monkeypatch.setattr(_scope, "_is_dynamo_compiling", lambda: True)
     raw = _flags.save_raw_state()
     with (
         pytest.raises(Fp32ScopeError, match="Wrap the compiled callable instead"),
         fp32_precision_scope(Fp32Precision("high")),
     ):
+        pass
+    assert _flags.save_raw_state() == raw
+    assert _scope.active_scope_thread() is None
+
+
+def test_torch_compilers_own_flag_refuses_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.export's (and from torch 2.13 a torch.compile session's) own flag: is_compiling()
+    # is True outside Dynamo. Before torch.compiler.is_exporting (torch 2.4) only export sets
+    # it, and the refusal says what export needs.
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    assert torch.compiler.is_compiling()
+    raw = _flags.save_raw_state()
+    expected = "Wrap the compiled callable instead" if _compat.HAS_IS_EXPORTING else "torch.export cannot export"
+    with pytest.raises(Fp32ScopeError, match=expected), fp32_precision_scope(Fp32Precision("high")):
         pass
     assert _flags.save_raw_state() == raw
     assert _scope.active_scope_thread() is None

@@ -111,6 +111,10 @@ class LegacyWritesMachine(RuleBasedStateMachine):
 
     # -- scopes ------------------------------------------------------------------------------
 
+    def scope_for(self, precision: Fp32Precision) -> fp32_precision_scope:
+        """A new scope per entry, as ``with fp32_precision_scope(p):`` makes."""
+        return fp32_precision_scope(precision)
+
     @precondition(lambda self: len(self.stack) < 4)
     @rule(precision=precisions)
     def enter(self, precision: Fp32Precision) -> None:
@@ -118,7 +122,7 @@ class LegacyWritesMachine(RuleBasedStateMachine):
         before_model = self.model.copy()
         before = _flags.read_all()
         held = holds(before_model, precision)
-        scope = fp32_precision_scope(precision)
+        scope = self.scope_for(precision)
         scope.__enter__()
         # On the stack before any check, so that teardown exits it also when one fails.
         self.stack.append((scope, before_model, precision))
@@ -406,6 +410,55 @@ def test_scopes_restore_what_they_applied_when_the_block_flips_flags() -> None:
         FLIP_MACHINE,
         settings=settings(
             max_examples=1000, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+        ),
+    )
+
+
+class ReusedScopes:
+    """Mixed into a machine: scopes kept and entered again, nested in themselves too.
+
+    Two per precision, taken in turn: a kept ``fp32_precision_scope`` and a wrapper's scope.
+    Both learn from their entries whether the precision holds, and then check it in place
+    of apply and restore: the random writes between (and, in the flip machine, inside)
+    entries make that check fail as often as pass.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool: dict[Fp32Precision, list[fp32_precision_scope]] = {}
+        self.turn = 0
+
+    def scope_for(self, precision: Fp32Precision) -> fp32_precision_scope:
+        """One of the two kept scopes of ``precision``, in turn."""
+        kept = self.pool.setdefault(
+            precision, [fp32_precision_scope(precision), _scope.wrapper_scope(precision, "node")]
+        )
+        self.turn += 1
+        return kept[self.turn % 2]
+
+
+class ReusedScopeMachine(ReusedScopes, SCOPE_MACHINE):  # type: ignore[misc, valid-type]
+    """SCOPE_MACHINE with kept scopes."""
+
+
+class ReusedFlipMachine(ReusedScopes, FLIP_MACHINE):  # type: ignore[misc, valid-type]
+    """FLIP_MACHINE with kept scopes."""
+
+
+def test_kept_scopes_restore_exactly_from_every_reachable_state() -> None:
+    run_state_machine_as_test(
+        ReusedScopeMachine,
+        settings=settings(
+            max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+        ),
+    )
+
+
+def test_kept_scopes_restore_what_they_applied_when_the_block_flips_flags() -> None:
+    run_state_machine_as_test(
+        ReusedFlipMachine,
+        settings=settings(
+            max_examples=500, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
         ),
     )
 
