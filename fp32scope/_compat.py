@@ -29,6 +29,7 @@ __all__ = [
     "ENGINE_RUN_BACKWARD",
     "EXPORT_HOLDS_AUTOCAST_REGIONS",
     "HAS_BFX9",
+    "HAS_COMPILING_FLAG",
     "HAS_IS_EXPORTING",
     "HAS_PER_BACKEND_API",
     "TORCH_RELEASE",
@@ -132,16 +133,20 @@ DYNAMO_TRACES_SCOPES_MADE_INSIDE: Final[bool] = _release_at_least(2, 8)
 DYNAMO_ENTERS_SCOPES_MADE_OUTSIDE: Final[bool] = _release_at_least(2, 14)
 
 
-#: Dynamo's own "am I tracing?": False when called, folded to True where Dynamo traces it
-#: (every supported release).
-is_dynamo_compiling: Callable[[], bool] = torch.compiler.is_dynamo_compiling
-#: torch.compiler's module dict, and the name of its flag that ``torch.compiler.is_compiling()``
-#: returns outside Dynamo and TorchScript (every supported release): torch.export sets it
-#: while it traces, and from torch 2.13 a torch.compile session while it compiles. So
-#: ``is_dynamo_compiling() or COMPILER_STATE[COMPILING_FLAG]`` is ``is_compiling()`` without
-#: its ``torch.jit.is_scripting()`` call (about 50 ns of each scoped call).
-COMPILER_STATE: Final[dict[str, Any]] = vars(torch.compiler)
 COMPILING_FLAG: Final = "_is_compiling_flag"
+#: Whether ``torch.compiler.is_compiling()`` returns torch.compiler's module flag
+#: ``_is_compiling_flag`` outside Dynamo and TorchScript (every supported release): torch.export
+#: sets it while it traces, and from torch 2.13 a torch.compile session while it compiles.
+HAS_COMPILING_FLAG: Final[bool] = COMPILING_FLAG in vars(torch.compiler)
+#: ``is_dynamo_compiling() or COMPILER_STATE[COMPILING_FLAG]`` is ``torch.compiler.is_compiling()``
+#: without its ``torch.jit.is_scripting()`` call (about 50 ns of each scoped call): Dynamo's own
+#: "am I tracing?" (False when called, folded to True where Dynamo traces it), then the flag, read
+#: from torch.compiler's module dict. On a torch without the flag, is_compiling() itself and a
+#: flag that stays False.
+is_dynamo_compiling: Callable[[], bool] = (
+    torch.compiler.is_dynamo_compiling if HAS_COMPILING_FLAG else torch.compiler.is_compiling
+)
+COMPILER_STATE: Final[dict[str, Any]] = vars(torch.compiler) if HAS_COMPILING_FLAG else {COMPILING_FLAG: False}
 
 
 def _is_exporting_without_api() -> bool:

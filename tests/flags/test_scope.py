@@ -469,3 +469,13 @@ def test_a_wrapper_scope_whose_range_cannot_open_exits_itself(monkeypatch: pytes
     with scope:  # usable again: nothing of the failed entry is left on it
         assert legacy() == ("highest", False)
     assert _flags.save_raw_state() == before
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_the_scopes_compiling_check_is_torchs_is_compiling(monkeypatch: pytest.MonkeyPatch, flag: bool) -> None:
+    # The scope reads is_compiling() as its two parts (_compat): on every tested release
+    # torch.compiler has the flag, and the parts answer what is_compiling() answers.
+    assert _compat.HAS_COMPILING_FLAG
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", flag)
+    fast = _compat.is_dynamo_compiling() or _compat.COMPILER_STATE[_compat.COMPILING_FLAG]
+    assert fast is torch.compiler.is_compiling() is flag
