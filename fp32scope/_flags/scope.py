@@ -448,6 +448,7 @@ dynamo_exclude.exclude(
         for fn in vars(torch_flags).values()
         if callable(fn) and getattr(fn, "__module__", None) == torch_flags.__name__
     ),
+    *torch_flags.ALL_HELD_CHECKS,
     graph_break=False,
 )
 

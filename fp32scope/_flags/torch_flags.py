@@ -23,6 +23,7 @@ getters and setters bound to module globals, no allocation beyond small tuples.
 
 from __future__ import annotations
 
+import linecache
 from collections.abc import Callable
 from typing import Final, NoReturn
 
@@ -31,6 +32,7 @@ import torch
 from fp32scope._compat import HAS_BFX9, HAS_PER_BACKEND_API
 
 __all__ = [
+    "ALL_HELD_CHECKS",
     "HAS_NEW_API",
     "RAISES",
     "FlagReadings",
@@ -443,35 +445,43 @@ def _make_held_check(
         "        pass\n"
         "    return None\n"
     )
+    api = "new" if cudnn_reading else "legacy"
+    filename = f"<fp32scope held check {t!r}, {b!r} ({api} API)>"
     namespace: dict[str, object] = {}
-    exec(compile(source, f"<fp32scope held check {t!r}, {b!r}>", "exec"), globals(), namespace)  # noqa: S102
+    exec(compile(source, filename, "exec"), globals(), namespace)  # noqa: S102
+    # Tracebacks through a held check show its lines, as they do for attrs' generated methods.
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     held: HeldCheck = namespace["held"]  # type: ignore[assignment]
     held.__qualname__ = held.__name__ = f"held_{t}_{b}"
     return held
 
 
-_HELD_CHECKS: dict[tuple[str | None, bool | None], HeldCheck] = {}
-_LEGACY_HELD_CHECKS: dict[tuple[str | None, bool | None], HeldCheck] = {}
+def _held_checks(matmul: dict[str, str], cudnn: dict[bool, str], *, cudnn_reading: bool) -> dict[Fields, HeldCheck]:
+    # Every precision's, made once at import (a fixed, small set): so that the scope can
+    # keep Dynamo out of their frames, as out of every other function here.
+    return {
+        (t, b): _make_held_check(t, b, matmul, cudnn, cudnn_reading)
+        for t in (None, *matmul)
+        for b in (None, True, False)
+        if t is not None or b is not None
+    }
+
+
+Fields = tuple[str | None, bool | None]
+_HELD_CHECKS: Final = _held_checks(_MATMUL_HELD, _CUDNN_HELD, cudnn_reading=True)
+_LEGACY_HELD_CHECKS: Final = _held_checks(_LEGACY_MATMUL_HELD, _LEGACY_CUDNN_HELD, cudnn_reading=False)
+#: Every held check, for the scope's Dynamo exclusion.
+ALL_HELD_CHECKS: Final[tuple[HeldCheck, ...]] = (*_HELD_CHECKS.values(), *_LEGACY_HELD_CHECKS.values())
 
 
 def held_check(t: str | None, b: bool | None) -> HeldCheck:
     """The held check of (``t``, ``b``), not both None: apply's token where it would write nothing, else None."""
-    key = (t, b)
-    found = _HELD_CHECKS.get(key)
-    if found is None:
-        found = _HELD_CHECKS[key] = _make_held_check(t, b, _MATMUL_HELD, _CUDNN_HELD, cudnn_reading=True)
-    return found
+    return _HELD_CHECKS[t, b]
 
 
 def legacy_held_check(t: str | None, b: bool | None) -> HeldCheck:
     """:func:`held_check` for :func:`legacy_apply` (before torch 2.9: the legacy getters alone)."""
-    key = (t, b)
-    found = _LEGACY_HELD_CHECKS.get(key)
-    if found is None:
-        found = _LEGACY_HELD_CHECKS[key] = _make_held_check(
-            t, b, _LEGACY_MATMUL_HELD, _LEGACY_CUDNN_HELD, cudnn_reading=False
-        )
-    return found
+    return _LEGACY_HELD_CHECKS[t, b]
 
 
 # -- whole state ----------------------------------------------------------------------

@@ -7,6 +7,7 @@ place of restore, so it must also fail wherever restore would find the precision
 
 from __future__ import annotations
 
+import linecache
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 from hypothesis import example, given, settings
 
 from fp32scope import Fp32Precision, _compat, fp32_precision_scope
+from fp32scope._flags import dynamo_exclude
 from fp32scope._flags import scope as _scope
 from fp32scope._flags import torch_flags as _flags
 from fp32scope._flags.scope import wrapper_scope
@@ -184,3 +186,20 @@ def test_a_learned_scope_restores_a_block_that_broke_its_precision() -> None:
         _flags.apply("highest", False)
     assert _flags.save_raw_state() == before
     assert _scope.active_scope_thread() is None
+
+
+def test_every_held_check_is_kept_out_of_dynamos_frames() -> None:
+    # A held check runs in the eager parts of a compiled caller (a scoped child's call), where
+    # Dynamo's frame callback is active: like every other function of torch_flags its frames
+    # are skipped, never converted (a converted check could fold the flags it reads).
+    dynamo_exclude.ensure()
+    skipped = set(dynamo_exclude._skipped)
+    assert _flags.ALL_HELD_CHECKS
+    assert [check for check in _flags.ALL_HELD_CHECKS if check.__code__ not in skipped] == []
+
+
+def test_a_held_checks_traceback_shows_its_source() -> None:
+    check = _flags.held_check("high", True)
+    source = "".join(linecache.getlines(check.__code__.co_filename))
+    assert "_GB() is True" in source
+    assert "_GM() == " in source
