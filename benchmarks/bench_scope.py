@@ -3,7 +3,9 @@
 Run with ``nox -s bench`` (or ``python benchmarks/bench_scope.py``). Every figure is the
 median over ``--repeats`` timing loops of ``--number`` calls each, all in one process and
 one run, so that the ratios compare like with like on a noisy, shared machine. Overheads
-are the figure minus the bare call.
+are the figure minus the bare call. What a wrapper adds on top of a scope (and what a
+feature adds when on) is the median of the differences of two loops timed one after the
+other: each is a small difference of two large figures.
 """
 
 from __future__ import annotations
@@ -312,6 +314,15 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         return 1
     med = {name: statistics.median(values) for name, values in samples.items()}
 
+    def paired(name: str, baseline: str) -> float:
+        """The median, over the loops, of ``name`` minus ``baseline`` timed next to it in the same loop.
+
+        A difference of two figures that are each much larger than it (a proxy call against
+        the same call's scope): the pair's loops run one after the other, so a slow stretch
+        of the machine shifts both, where the difference of the two medians keeps it.
+        """
+        return statistics.median(a - b for a, b in zip(samples[name], samples[baseline], strict=True))
+
     bare = med["bare no-op call"]
     floor = med["floor: raw _C calls of an exact switch, inline"] - bare
     switch = med["fp32_precision_scope, both fields switch"] - bare
@@ -320,18 +331,14 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     cudnn = med["torch.backends.cudnn.flags(allow_tf32=False)"] - bare
     kept_switch = med["one scope object reused, both switch"] - bare
     kept_fast = med["one scope object reused, flags already match (fast path)"] - bare
-    proxy_over = (
-        med["Fp32ScopedModule call, both switch"] - med["one scope object reused around the bare nn.Module call"]
-    )
+    proxy_over = paired("Fp32ScopedModule call, both switch", "one scope object reused around the bare nn.Module call")
     # In grad mode the proxy also checks whether the call records autograd history (to scope
     # its backward): the no_grad pair shows the proxy alone, as an inference engine calls it.
-    proxy_no_grad_over = (
-        med["Fp32ScopedModule call under no_grad, both switch"]
-        - med["one scope object reused around the bare nn.Module call, under no_grad"]
+    proxy_no_grad_over = paired(
+        "Fp32ScopedModule call under no_grad, both switch",
+        "one scope object reused around the bare nn.Module call, under no_grad",
     )
-    decorated_over = (
-        med["with_fp32_precision-decorated no-op, both switch"] - med["one scope object reused, both switch"]
-    )
+    decorated_over = paired("with_fp32_precision-decorated no-op, both switch", "one scope object reused, both switch")
 
     print(f"torch {torch.__version__}, fp32scope {fp32scope.__version__}, new API: {_flags.HAS_NEW_API}")
     print(f"median of {r} loops x {n} calls, ns per call")
@@ -377,15 +384,18 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     checks_off = checks
     trace_on = traced_over
     prof_on = (
-        med["Fp32ScopedModule call under no_grad, inside torch.profiler.profile()"]
-        - med["one scope object reused around the bare nn.Module call, under no_grad, inside the profiler"]
-    ) - proxy_no_grad_over
-    autocast_on = (
-        med["Fp32ScopedModule call keeping the caller's autocast, under no_grad + autocast"]
-        - med["one scope object reused around the bare call, under no_grad + autocast"]
-    ) - (
-        med["the same proxy call with its bf16 argument, under no_grad, no autocast"]
-        - med["one scope object reused around the same bare call, under no_grad, no autocast"]
+        paired(
+            "Fp32ScopedModule call under no_grad, inside torch.profiler.profile()",
+            "one scope object reused around the bare nn.Module call, under no_grad, inside the profiler",
+        )
+        - proxy_no_grad_over
+    )
+    autocast_on = paired(
+        "Fp32ScopedModule call keeping the caller's autocast, under no_grad + autocast",
+        "one scope object reused around the bare call, under no_grad + autocast",
+    ) - paired(
+        "the same proxy call with its bf16 argument, under no_grad, no autocast",
+        "one scope object reused around the same bare call, under no_grad, no autocast",
     )
     read = med["one read of the proxy's own attribute (the check's flag)"] - bare
     check_once = med["the parameter-dtype check of a first call, Linear(16, 16) in float32"] - bare
