@@ -5,8 +5,9 @@ training step (forward, loss, ``backward()``, gradients cleared) of the same mod
 ways: bare, wrapped forward-only (``backward=False``: the scope around the forward call
 only), and wrapped as users get it by default (forward and backward in the node's
 precision). Every figure is the median over ``--repeats`` loops of ``--number`` steps,
-the cases interleaved loop by loop, all in one process, so the differences and ratios
-compare like with like on a noisy machine. Inference calls under ``torch.no_grad()`` and
+the cases interleaved loop by loop, all in one process; each difference (and each ratio's
+difference) is the median of the differences of two loops of the same round, so that it
+compares like with like on a noisy machine. Inference calls under ``torch.no_grad()`` and
 ``torch.inference_mode()`` show that the default adds nothing there.
 
 The floor: what any design that runs a node's backward apart from the caller's, in a
@@ -252,12 +253,24 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915 
         print(f"  {name:<{width}}  {value:9.2f}")
     tiny, mlp = TINY, MLP
 
+    def paired(name: str, baseline: str) -> float:
+        """The median, over the loops, of ``name`` minus ``baseline`` timed in the same round of loops.
+
+        A small difference of two large figures: a slow stretch of the machine shifts both
+        loops of a round, where the difference of the two medians keeps it.
+        """
+        return statistics.median(a - b for a, b in zip(samples[name], samples[baseline], strict=True))
+
     def adds(kind: str) -> float:
-        return med[f"{kind}: train step, forward and backward scoped"] - med[f"{kind}: train step, forward-only scope"]
+        return paired(f"{kind}: train step, forward and backward scoped", f"{kind}: train step, forward-only scope")
 
     def floor_adds(kind: str) -> float:
-        floor = med[f"{kind}: train step, torch's floor (Function + engine again)"]
-        return floor - med[f"{kind}: train step, bare module"]
+        return paired(
+            f"{kind}: train step, torch's floor (Function + engine again)", f"{kind}: train step, bare module"
+        )
+
+    def ratio(name: str, baseline: str) -> float:
+        return 1 + paired(name, baseline) / med[baseline]
 
     few, most = PER_PARAMETER[1], PER_PARAMETER[24]
     figures = {
@@ -266,20 +279,19 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915 
         f"{tiny}: fp32scope's own part (scope adds - floor adds), us [goal <= 12]": adds(tiny) - floor_adds(tiny),
         f"{most}: torch's floor adds, us": floor_adds(most),
         f"{most}: fp32scope's own part (scope adds - floor adds), us": adds(most) - floor_adds(most),
-        f"{MLP_SAME}: scoped / forward-only step, fp32scope's overhead [goal <= 1.05]": med[
-            f"{MLP_SAME}: train step, forward and backward scoped"
-        ]
-        / med[f"{MLP_SAME}: train step, forward-only scope"],
-        f"{MLP_SAME}: scoped / bare step, fp32scope's overhead": med[
-            f"{MLP_SAME}: train step, forward and backward scoped"
-        ]
-        / med[f"{MLP_SAME}: train step, bare module"],
+        f"{MLP_SAME}: scoped / forward-only step, fp32scope's overhead [goal <= 1.05]": ratio(
+            f"{MLP_SAME}: train step, forward and backward scoped", f"{MLP_SAME}: train step, forward-only scope"
+        ),
+        f"{MLP_SAME}: scoped / bare step, fp32scope's overhead": ratio(
+            f"{MLP_SAME}: train step, forward and backward scoped", f"{MLP_SAME}: train step, bare module"
+        ),
         f"{MLP_SAME}: backward scope adds, us": adds(MLP_SAME),
         # Not overhead: under the default "high" the forward-only step's backward runs at "high",
         # the scoped one's at "highest"; on a CPU with oneDNN's bf16 paths "high" may be slower.
         f"{mlp}: a precision difference, not overhead: scoped ('highest' backward) / forward-only "
-        "('high' backward) step": med[f"{mlp}: train step, forward and backward scoped"]
-        / med[f"{mlp}: train step, forward-only scope"],
+        "('high' backward) step": ratio(
+            f"{mlp}: train step, forward and backward scoped", f"{mlp}: train step, forward-only scope"
+        ),
         **{f"{PER_PARAMETER[n]}: backward scope adds, us": adds(PER_PARAMETER[n]) for n in PER_PARAMETER},
         # The goal is on fp32scope's own part; torch's floor grows with the parameters too.
         "per parameter tensor: backward scope adds, torch's floor included, us (slope 1 -> 24)": (
@@ -290,12 +302,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915 
             (adds(most) - floor_adds(most)) - (adds(tiny) - floor_adds(tiny))
         )
         / 22,
-        "no_grad call: default - backward=False, us": med["Linear(16, 16): no_grad call, default (backward=True)"]
-        - med["Linear(16, 16): no_grad call, backward=False"],
-        "inference_mode call: default - backward=False, us": med[
-            "Linear(16, 16): inference_mode call, default (backward=True)"
-        ]
-        - med["Linear(16, 16): inference_mode call, backward=False"],
+        "no_grad call: default - backward=False, us": paired(
+            "Linear(16, 16): no_grad call, default (backward=True)", "Linear(16, 16): no_grad call, backward=False"
+        ),
+        "inference_mode call: default - backward=False, us": paired(
+            "Linear(16, 16): inference_mode call, default (backward=True)",
+            "Linear(16, 16): inference_mode call, backward=False",
+        ),
     }
     print("differences and ratios (same run):")
     for name, value in figures.items():
