@@ -13,6 +13,7 @@ from typing import Any
 
 import hypothesis.strategies as st
 import pytest
+import torch
 from hypothesis import example, given, settings
 
 from fp32scope import Fp32Precision, _compat, fp32_precision_scope
@@ -184,6 +185,51 @@ def test_a_learned_scope_restores_a_block_that_broke_its_precision() -> None:
     before = _flags.save_raw_state()
     with pytest.warns(match="changed the float32 precision flags"), scope:
         _flags.apply("highest", False)
+    assert _flags.save_raw_state() == before
+    assert _scope.active_scope_thread() is None
+
+
+def test_a_learned_scope_applies_its_precision_where_it_no_longer_holds() -> None:
+    # While the precision holds, each entry keeps the learned check; once an entry finds
+    # something else, it applies every field and restores what it found.
+    _flags.apply("high", True)
+    scope = wrapper_scope(Fp32Precision("high", True), "node")
+    for _ in range(2):
+        with scope:
+            pass
+    check = scope._held
+    assert check is _flags.held_check("high", True)
+    with scope:
+        pass
+    assert scope._held is check
+    outer = _flags.apply("highest", False)
+    try:
+        before = _flags.save_raw_state()
+        with scope:
+            assert torch.get_float32_matmul_precision() == "high"
+            assert torch.backends.cudnn.allow_tf32 is True
+        assert _flags.save_raw_state() == before
+    finally:
+        _flags.restore(outer)
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [Fp32Precision("highest", None), Fp32Precision(None, cudnn_allow_tf32=False), Fp32Precision("highest", False)],
+    ids=["matmul", "cudnn", "both"],
+)
+def test_a_kept_scope_nested_in_itself_restores_what_its_switching_entry_saved(precision: Fp32Precision) -> None:
+    # The outer entry switches and saves; the inner entry of the same object finds the
+    # precision held and learns its check; the outer exit must still restore what it saved.
+    _flags.apply("high", True)
+    before = _flags.save_raw_state()
+    scope = wrapper_scope(precision, "node")
+    with scope:
+        inside = _flags.save_raw_state()
+        with scope:
+            pass
+        assert scope._held is _flags.held_check(*precision)
+        assert _flags.save_raw_state() == inside
     assert _flags.save_raw_state() == before
     assert _scope.active_scope_thread() is None
 
