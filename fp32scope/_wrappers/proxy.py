@@ -26,6 +26,7 @@ from fp32scope._wrappers.autocast import (
 )
 from fp32scope._wrappers.node import declared_autocast
 from fp32scope._wrappers.param_dtype import warn_low_precision_parameters
+from fp32scope._wrappers.region import Region, check_in_graph, traced_region
 from fp32scope._wrappers.trampoline import active_callback, compiled_call, trampoline_for
 
 __all__ = ["SELF_RETURNING_METHODS", "Fp32ScopedModule", "precision_of"]
@@ -57,8 +58,9 @@ def _rebuild(
     name: str,
     backward: bool = True,  # noqa: FBT002  (pickles from fp32scope 0.1 carry three arguments)
     autocast: bool | None = None,  # (and four, before autocast)
+    in_graph: bool = False,  # noqa: FBT001, FBT002  (and five, before in-graph regions)
 ) -> Fp32ScopedModule:
-    return Fp32ScopedModule(module, precision, name=name, backward=backward, autocast=autocast)
+    return Fp32ScopedModule(module, precision, name=name, backward=backward, autocast=autocast, in_graph=in_graph)
 
 
 def _default_name(module: object) -> str:
@@ -116,6 +118,12 @@ class Fp32ScopedModule(_ProxyBase):
     with :func:`precision_of`; the bare module is ``__wrapped__``.
     """
 
+    def __new__(cls, /, *args: Any, **kwargs: Any) -> Fp32ScopedModule:  # noqa: D102  (see the class)
+        if cls is Fp32ScopedModule and kwargs.get("in_graph") is True:
+            cls = _InGraphScopedModule
+        proxy: Fp32ScopedModule = super().__new__(cls)
+        return proxy
+
     def __init__(
         self,
         # torch.compile(module) is typed as returning a plain callable; it is an nn.Module
@@ -126,6 +134,7 @@ class Fp32ScopedModule(_ProxyBase):
         name: str | None = None,
         backward: bool = True,
         autocast: bool | None = None,
+        in_graph: bool = False,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             msg = (
@@ -138,6 +147,7 @@ class Fp32ScopedModule(_ProxyBase):
             msg = f"name must be a str or None; got {name!r} of type {type(name).__name__}."
             raise TypeError(msg)
         check_backward(backward)
+        check_in_graph(in_graph)
         label = name if name is not None else _default_name(module)
         mode = check_autocast(autocast)
         if mode is None:
@@ -157,6 +167,8 @@ class Fp32ScopedModule(_ProxyBase):
         warn_cublas_override(checked, label)
         # Whether the first call still has to check the node's parameter dtypes (see _param_dtype).
         self._self_check_parameters = asks_full_float32(checked)
+        # What a compiling parent traces in place of the call (see _region), or None: a graph break.
+        self._self_region = Region(module, checked, label, mode) if in_graph else None
         _own_dict(self)  # what ``__dict__`` returns (see there)
 
     # Attribute reads: Python's own lookup, then wrapt's __getattr__ (the wrapped module's
@@ -267,7 +279,8 @@ class Fp32ScopedModule(_ProxyBase):
     def __repr__(self) -> str:
         return (
             f"Fp32ScopedModule(precision={self._self_precision!r}, name={self._self_name!r}, "
-            f"backward={self._self_backward!r}, autocast={self._self_autocast.mode!r},\n"
+            f"backward={self._self_backward!r}, autocast={self._self_autocast.mode!r}, "
+            f"in_graph={self._self_region is not None!r},\n"
             f"  module={self.__wrapped__!r})"
         )
 
@@ -278,6 +291,7 @@ class Fp32ScopedModule(_ProxyBase):
             self._self_name,
             self._self_backward,
             self._self_autocast.mode,
+            self._self_region is not None,
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Fp32ScopedModule:
@@ -287,16 +301,41 @@ class Fp32ScopedModule(_ProxyBase):
             self._self_name,
             self._self_backward,
             self._self_autocast.mode,
+            self._self_region is not None,
         )
 
     def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
         return (
             _rebuild,
-            (self.__wrapped__, self._self_precision, self._self_name, self._self_backward, self._self_autocast.mode),
+            (
+                self.__wrapped__,
+                self._self_precision,
+                self._self_name,
+                self._self_backward,
+                self._self_autocast.mode,
+                self._self_region is not None,
+            ),
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
         return self.__reduce_ex__(2)
+
+
+class _InGraphScopedModule(Fp32ScopedModule):
+    """A scoped module made with ``in_graph=True``: one region of a compiling parent's graph."""
+
+    # Dynamo inlines this call (it is not marked): where it traces, the call becomes one
+    # region of the graph; anywhere else it is the scoped call.
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            return traced_region(self._self_region, args, kwargs)
+        return _scoped_call(self, *args, **kwargs)
+
+    _call_impl = __call__
+
+
+_is_compiling = torch.compiler.is_compiling
+_scoped_call = Fp32ScopedModule.__call__
 
 
 def _make_self_returning(name: str) -> Callable[..., Any]:
