@@ -6,19 +6,22 @@ or 4 of its blocks scoped to full float32 (``Fp32ScopedModule``) and the process
 ``Fp32Precision("highest", False)`` too, so that every variant runs the same matmuls and a
 difference is what the scoping costs, not a precision difference.
 
-Two ways to compile it:
+Three ways to compile it:
 
 - whole-model: ``torch.compile(model)``. Each scoped block is a graph break: the parent is
   compiled as several graphs, with the scoped blocks compiled as graphs of their own
   inside their scopes.
+- in-graph: ``torch.compile(model)`` with the scoped blocks made with ``in_graph=True``:
+  one graph, each scoped block one opaque region op in it, run eagerly inside its scope
+  (forward, and backward over the forward's kept graph).
 - regional: each block compiled on its own (``torch.compile(block)``, the scoped ones
   inside their proxies: ``Fp32ScopedModule(torch.compile(block), precision)``) and the
   stack itself left eager, which is torch's "regional compilation".
 
 For each: the median training step (forward, loss, backward, gradients cleared) and
 ``no_grad`` call over ``--repeats`` interleaved loops, the graphs Dynamo made and the
-graph breaks it counted, and the cost per scoped node: (time with n scoped - time with 0
-scoped) / n.
+graph breaks it counted, and the cost per scoped node: the median over rounds of
+(time with n scoped - time with 0 scoped) / n, both loops of the same round (paired).
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ WIDTH = 256
 BATCH = 32
 
 
-def stack(scoped: int, *, regional: bool) -> torch.nn.Module:
-    """The 8-block stack, its first ``scoped`` blocks (spread out) scoped; regional: blocks compiled alone."""
+def stack(scoped: int, *, how: str) -> torch.nn.Module:
+    """The 8-block stack, ``scoped`` blocks (spread out) scoped; compiled as ``how`` says (see HOWS)."""
+    regional = how == "regional"
     torch.manual_seed(0)
     where = {round(i * BLOCKS / scoped) for i in range(scoped)} if scoped else set()
     blocks: list[torch.nn.Module] = []
@@ -56,19 +60,26 @@ def stack(scoped: int, *, regional: bool) -> torch.nn.Module:
         if regional:
             block = torch.compile(block)  # type: ignore[assignment]
         if i in where:
-            block = Fp32ScopedModule(block, FULL, name=f"block{i}")  # type: ignore[assignment]
+            block = Fp32ScopedModule(block, FULL, name=f"block{i}", in_graph=how == "in-graph")  # type: ignore[assignment]
         blocks.append(block)
     model = torch.nn.Sequential(*blocks)
     return model if regional else torch.compile(model)  # type: ignore[return-value]
 
 
-#: (regional, number of scoped blocks) of each variant.
-VARIANTS = [(regional, scoped) for regional in (False, True) for scoped in (0, 1, 4)]
+#: How the stack is compiled: scoped blocks as graph breaks, as in-graph regions, or per block.
+HOWS = ("whole-model", "in-graph", "regional")
+#: (how, number of scoped blocks) of each variant; "in-graph, 0 scoped" is "whole-model, 0 scoped".
+VARIANTS = [(how, scoped) for how in HOWS for scoped in (0, 1, 4) if (how, scoped) != ("in-graph", 0)]
 
 
-def label(regional: bool, scoped: int) -> str:
+def label(how: str, scoped: int) -> str:
     """A variant's name: ``whole-model, 1 scoped``."""
-    return f"{'regional' if regional else 'whole-model'}, {scoped} scoped"
+    return f"{how}, {scoped} scoped"
+
+
+def base_label(how: str) -> str:
+    """The variant with no scoped block that ``how`` is compared with."""
+    return label("regional" if how == "regional" else "whole-model", 0)
 
 
 def measure(model: torch.nn.Module, x: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -100,15 +111,15 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915 
 
     # First each variant alone, with a fresh Dynamo, to count its graphs and graph breaks.
     graphs: dict[str, tuple[int, int]] = {}
-    for regional, scoped in VARIANTS:
+    for how, scoped in VARIANTS:
         torch._dynamo.reset()
         counters.clear()
-        train, infer = measure(stack(scoped, regional=regional), x)
+        train, infer = measure(stack(scoped, how=how), x)
         for _ in range(2):
             train()
             infer()
         breaks = sum(counters["graph_break"].values())
-        graphs[label(regional, scoped)] = (int(counters["stats"]["unique_graphs"]), breaks)
+        graphs[label(how, scoped)] = (int(counters["stats"]["unique_graphs"]), breaks)
     # Then all of them, compiled again and timed interleaved: no reset between them, and room
     # in Dynamo's cache for the entries they add to the code objects they share
     # (Sequential.forward among them), where Dynamo would otherwise run the later ones eagerly.
@@ -118,13 +129,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915 
             setattr(config, limit, 256)
     torch._dynamo.reset()
     cases: dict[str, Callable[[], None]] = {}
-    for regional, scoped in VARIANTS:
-        train, infer = measure(stack(scoped, regional=regional), x)
+    for how, scoped in VARIANTS:
+        train, infer = measure(stack(scoped, how=how), x)
         for _ in range(3):  # compile (train and no_grad graphs), then warm up
             train()
             infer()
-        cases[f"{label(regional, scoped)}: train step"] = train
-        cases[f"{label(regional, scoped)}: no_grad call"] = infer
+        cases[f"{label(how, scoped)}: train step"] = train
+        cases[f"{label(how, scoped)}: no_grad call"] = infer
     # Each variant compiled once above; later calls must not compile again (a recompile
     # would be timed): the compile counters stand still from here.
     frames_before = counters["frames"]["total"]
@@ -147,14 +158,24 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915 
     for name, (made, breaks) in graphs.items():
         print(f"  {name}: {made} graphs, {breaks} graph breaks")
     per_node: dict[str, float] = {}
-    for how in ("whole-model", "regional"):
+    for how in HOWS:
         for what in ("train step", "no_grad call"):
-            base = med[f"{how}, 0 scoped: {what}"]
+            base = samples[f"{base_label(how)}: {what}"]
             for scoped in (1, 4):
-                per_node[f"{how}, {what}, {scoped} scoped"] = (med[f"{how}, {scoped} scoped: {what}"] - base) / scoped
-    print("cost per scoped node, us ((time with n scoped - with 0) / n):")
+                mine = samples[f"{label(how, scoped)}: {what}"]
+                paired = [(m - b) / scoped for m, b in zip(mine, base, strict=True)]
+                per_node[f"{how}, {what}, {scoped} scoped"] = statistics.median(paired)
+    print("cost per scoped node, us (median over rounds of (time with n scoped - with 0) / n, same round):")
     for name, value in per_node.items():
         print(f"  {name}: {value:.1f}")
+    print("in-graph region / graph break, per scoped node (below 1: the region costs less):")
+    for what in ("train step", "no_grad call"):
+        for scoped in (1, 4):
+            region = per_node[f"in-graph, {what}, {scoped} scoped"]
+            broken = per_node[f"whole-model, {what}, {scoped} scoped"]
+            ratio = region / broken if broken > 0 else float("nan")
+            per_node[f"in-graph / whole-model, {what}, {scoped} scoped"] = ratio
+            print(f"  {scoped} scoped, {what}: {ratio:.2f}")
     print("regional / whole-model, same number scoped (what compiling per block costs or saves):")
     for scoped in (0, 1, 4):
         for what in ("train step", "no_grad call"):

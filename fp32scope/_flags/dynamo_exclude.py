@@ -28,10 +28,12 @@ from fp32scope._compat import DYNAMO_RESETS_MEDIUM
 __all__ = ["dynamo_resets_medium", "ensure", "exclude", "mark_function"]
 
 _REASON = (
-    "fp32scope: a scoped call changes torch's process-wide float32 precision flags, so it runs "
-    "outside the compiled graph (under torch.compile the callable it wraps is still compiled, "
-    "inside the scope). torch.export cannot export it: one exported graph cannot carry a "
-    "precision change. Export the bare node (scoped.__wrapped__), then compile or save it with "
+    "fp32scope: a scoped call changes torch's process-wide float32 precision flags, so by default it runs "
+    "outside the compiled graph, a graph break (under torch.compile the callable it wraps is still compiled, "
+    "inside the scope). To keep the node inside one graph (fullgraph=True), make its wrapper with in_graph=True: "
+    "Fp32ScopedModule(module, precision, in_graph=True), scope_modules(model, policy, in_graph=True) or "
+    "with_fp32_precision(precision, in_graph=True). torch.export cannot export a scoped call: one exported graph "
+    "cannot carry a precision change. Export the bare node (scoped.__wrapped__), then compile or save it with "
     "its precision: fp32scope.aoti_compile_and_package(exported_program, precision) or "
     "fp32scope.save_exported_program(exported_program, f, precision)"
 )

@@ -22,6 +22,7 @@ from fp32scope._wrappers.autocast import (
 )
 from fp32scope._wrappers.node import declared_autocast
 from fp32scope._wrappers.proxy import Fp32ScopedModule
+from fp32scope._wrappers.region import Region, check_in_graph, traced_region
 from fp32scope._wrappers.trampoline import active_callback, compiled_call, trampoline_for
 
 __all__ = ["with_fp32_precision"]
@@ -56,6 +57,7 @@ def with_fp32_precision(
     name: str | None = None,
     backward: bool = True,
     autocast: bool | None = None,
+    in_graph: bool = False,
 ) -> Callable[[F], F]:
     """A decorator that runs every call of its target inside ``fp32_precision_scope(precision)``.
 
@@ -85,7 +87,10 @@ def with_fp32_precision(
     Apply it to the compiled callable, never inside it: Dynamo cannot trace a flag change.
     A target that is not compiled already and is called from compiled code, or whose
     wrapper is handed to ``torch.compile``, is compiled as a graph of its own, inside the
-    scope.
+    scope (a graph break in the caller). With ``in_graph=True`` a compiling caller traces
+    the call instead as one region of its own graph: no graph break, ``fullgraph=True``
+    works, and the target runs eagerly inside the scope (see the compiled guide); a
+    function target then takes every tensor that needs a gradient as an argument.
 
     >>> import torch
     >>> @with_fp32_precision(Fp32Precision("highest"))
@@ -100,6 +105,7 @@ def with_fp32_precision(
         msg = f"name must be a str or None; got {name!r} of type {type(name).__name__}."
         raise TypeError(msg)
     check_backward(backward)
+    check_in_graph(in_graph)
     mode = check_autocast(autocast)
     fields = split(checked)
 
@@ -114,12 +120,17 @@ def with_fp32_precision(
             return target  # no scope, so nothing can leak across a suspension point
         _refuse_suspending(target, label)
         if is_module:
-            return Fp32ScopedModule(target, checked, name=label, backward=backward, autocast=mode)  # type: ignore[return-value]
+            return Fp32ScopedModule(  # type: ignore[return-value]
+                target, checked, name=label, backward=backward, autocast=mode, in_graph=in_graph
+            )
         dynamo_exclude.ensure()
         trampoline = trampoline_for(target, label)
         policy = AutocastPolicy(mode, checked, label)
         warn_cublas_override(checked, label)
-        return _scoped_function(target, wrapper_scope(checked, label), checked, backward, trampoline, policy)  # type: ignore[return-value]
+        scoped = _scoped_function(target, wrapper_scope(checked, label), checked, backward, trampoline, policy)
+        if in_graph:
+            scoped = _in_graph_function(scoped, Region(target, checked, label, mode))
+        return scoped  # type: ignore[return-value]
 
     return decorate
 
@@ -154,6 +165,23 @@ def _scoped_function(  # noqa: PLR0913, PLR0917  (private; built once per wrappe
     dynamo_exclude.mark_function(scoped)
     scoped.__fp32scope_precision__ = precision  # type: ignore[attr-defined]
     return scoped
+
+
+def _in_graph_function(scoped: Callable[..., Any], region: Region) -> Callable[..., Any]:
+    # Not marked for Dynamo: a compiling caller inlines it and traces one region.
+    def in_graph(*args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            return traced_region(region, args, kwargs)
+        return scoped(*args, **kwargs)
+
+    # Not functools.update_wrapper: it would copy the scoped function's Dynamo mark too.
+    for attribute in ("__module__", "__name__", "__qualname__", "__doc__", "__wrapped__", "__fp32scope_precision__"):
+        if hasattr(scoped, attribute):
+            setattr(in_graph, attribute, getattr(scoped, attribute))
+    return in_graph
+
+
+_is_compiling = torch.compiler.is_compiling
 
 
 # Every closure made by _scoped_function shares one code object: skip it once.

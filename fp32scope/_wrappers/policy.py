@@ -12,11 +12,14 @@ from fp32scope._flags.precision import Fp32Precision, check_backward, check_cudn
 from fp32scope._wrappers.autocast import check_autocast
 from fp32scope._wrappers.node import node_fp32_precision
 from fp32scope._wrappers.proxy import Fp32ScopedModule, precision_of
+from fp32scope._wrappers.region import check_in_graph
 
 __all__ = ["scope_modules", "scoped_modules", "unscope_modules"]
 
 _PATTERN_PREFIX = "re:"
 _PRECISION_KEYS = ("matmul", "cudnn_allow_tf32")
+#: Keys a rule's mapping may hold besides the precision: per-rule wrapper options.
+_OPTION_KEYS = ("in_graph",)
 _ORIG_MOD = "_orig_mod"
 
 
@@ -102,6 +105,7 @@ def _walk(root: torch.nn.Module) -> list[_Slot]:
 class _Rule(NamedTuple):
     selector: object
     precision: Fp32Precision | None  # None: matched modules stay unscoped
+    in_graph: bool | None = None  # None: scope_modules' own in_graph argument
 
 
 def _show(selector: object) -> str:
@@ -118,11 +122,11 @@ def _check_value(selector: object, value: object) -> Fp32Precision | None:
     elif isinstance(value, str):
         checked = Fp32Precision(check_matmul(value, field=where))
     elif isinstance(value, Mapping):
-        unknown = [key for key in value if key not in _PRECISION_KEYS]
+        unknown = [key for key in value if key not in _PRECISION_KEYS and key not in _OPTION_KEYS]
         if unknown:
             msg = (
                 f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; a precision mapping takes "
-                f"{' and '.join(map(repr, _PRECISION_KEYS))} (got {dict(value)!r})."
+                f"{', '.join(map(repr, _PRECISION_KEYS + _OPTION_KEYS))} (got {dict(value)!r})."
             )
             raise ValueError(msg)
         checked = Fp32Precision(
@@ -137,6 +141,20 @@ def _check_value(selector: object, value: object) -> Fp32Precision | None:
         )
         raise TypeError(msg)
     return None if checked is None or checked.is_noop else checked
+
+
+def _check_rule_in_graph(selector: object, value: object) -> bool | None:
+    """A rule's own ``in_graph`` (a mapping's ``"in_graph"`` key), or None where it has none."""
+    if not isinstance(value, Mapping) or "in_graph" not in value:
+        return None
+    found = value["in_graph"]
+    if type(found) is not bool:
+        msg = (
+            f"policy[{_show(selector)}]['in_graph'] must be True (an in-graph region under torch.compile) or False "
+            f"(a graph break); got {found!r} of type {type(found).__name__}."
+        )
+        raise TypeError(msg)
+    return found
 
 
 class _Policy:
@@ -155,7 +173,7 @@ class _Policy:
         self.callables: list[tuple[Callable[..., Any], _Rule]] = []
         self.rules: list[_Rule] = []
         for selector, value in policy.items():
-            rule = _Rule(selector, _check_value(selector, value))
+            rule = _Rule(selector, _check_value(selector, value), _check_rule_in_graph(selector, value))
             self._add(selector, rule)
             self.rules.append(rule)
 
@@ -218,12 +236,12 @@ def _root_error(model: torch.nn.Module, what: str) -> ValueError:
     )
 
 
-def _decide(root: torch.nn.Module, slots: list[_Slot], policy: object) -> list[Fp32Precision | None]:
-    """The precision each slot gets (None: none), checked; raises on the root or an unmatched selector."""
+def _decide(root: torch.nn.Module, slots: list[_Slot], policy: object) -> list[_Rule | None]:
+    """The rule each slot gets (None: none), checked; raises on the root or an unmatched selector."""
     if policy is None:
         if node_fp32_precision("<root>", root) is not None:
             raise _root_error(root, "policy=None selects")
-        return [node_fp32_precision(slot.name, _bare(slot.stored)) for slot in slots]
+        return [_Rule(None, node_fp32_precision(slot.name, _bare(slot.stored))) for slot in slots]
     checked = _Policy(policy)
     matched: set[int] = set()
     root_rule = checked.decide("", root, matched)
@@ -238,13 +256,18 @@ def _decide(root: torch.nn.Module, slots: list[_Slot], policy: object) -> list[F
             f"are those of model.named_modules() (e.g. {examples})."
         )
         raise ValueError(msg)
-    return [rule.precision if rule is not None else None for rule in rules]
+    return rules
 
 
-def _plan(root: torch.nn.Module, policy: object) -> list[tuple[_Slot, Fp32Precision]]:
-    """What to scope: each slot and its precision, checked before anything changes."""
+def _plan(root: torch.nn.Module, policy: object, in_graph: bool) -> list[tuple[_Slot, Fp32Precision, bool]]:
+    """What to scope: each slot, its precision and whether it is an in-graph region, checked first."""
     slots = _walk(root)
-    decided = list(zip(slots, _decide(root, slots, policy), strict=True))
+    rules = _decide(root, slots, policy)
+    decided = [(slot, rule.precision if rule is not None else None) for slot, rule in zip(slots, rules, strict=True)]
+    regions = {
+        id(slot): in_graph if rule is None or rule.in_graph is None else rule.in_graph
+        for slot, rule in zip(slots, rules, strict=True)
+    }
     # One module in several places gets one decision.
     by_module: dict[int, tuple[str, Fp32Precision | None]] = {}
     for slot, precision in decided:
@@ -255,7 +278,7 @@ def _plan(root: torch.nn.Module, policy: object) -> list[tuple[_Slot, Fp32Precis
                 f"different precisions ({precision!r} and {first[1]!r})."
             )
             raise ValueError(msg)
-    plan: list[tuple[_Slot, Fp32Precision]] = []
+    plan: list[tuple[_Slot, Fp32Precision, bool]] = []
     for slot, precision in decided:
         if precision is None:
             continue
@@ -269,7 +292,7 @@ def _plan(root: torch.nn.Module, policy: object) -> list[tuple[_Slot, Fp32Precis
                 "the policy."
             )
             raise ValueError(msg)
-        plan.append((slot, precision))
+        plan.append((slot, precision, regions[id(slot)]))
     return plan
 
 
@@ -279,6 +302,7 @@ def scope_modules(
     *,
     autocast: bool | None = None,
     backward: bool = True,
+    in_graph: bool = False,
 ) -> dict[str, Fp32Precision]:
     """Scope the selected submodules of ``model`` in place; returns {qualified name: precision}.
 
@@ -294,7 +318,8 @@ def scope_modules(
     selectors of one kind, the first in the mapping. A precision is an
     :class:`~fp32scope.Fp32Precision`, a matmul precision (``"highest"``, ``"high"``,
     ``"medium"``), or a mapping with the keys ``"matmul"`` and ``"cudnn_allow_tf32"`` (as
-    loaded from JSON or TOML); None (or no field set) leaves the modules it selects unscoped,
+    loaded from JSON or TOML, which may also hold ``"in_graph"``: that rule's own
+    ``in_graph``); None (or no field set) leaves the modules it selects unscoped,
     which excludes them from a broader selector. With ``policy=None``, every submodule that
     declares a precision (the attributes :func:`~fp32scope.node_fp32_precision` reads) is
     scoped with it.
@@ -309,7 +334,9 @@ def scope_modules(
     bad declaration raises :class:`TypeError` or :class:`ValueError` naming it before
     anything changes. ``backward`` and ``autocast`` (None: each module's own ``autocast``
     declaration, else keep the caller's autocast and warn for a full-float32 node; True;
-    False: the node runs without the caller's autocast) are passed to each wrapper.
+    False: the node runs without the caller's autocast) are passed to each wrapper, and so
+    is ``in_graph`` (True: under ``torch.compile`` each node is one region of the compiled
+    parent's graph, no graph break; see the compiled guide) where a rule gives none.
     Undo with :func:`unscope_modules`; list with :func:`scoped_modules`.
 
     >>> import torch
@@ -322,22 +349,25 @@ def scope_modules(
     root = _root(model)
     checked_autocast = check_autocast(autocast)
     check_backward(backward)
-    plan = _plan(root, policy)
+    check_in_graph(in_graph)
+    plan = _plan(root, policy, in_graph)
     options: dict[str, Any] = {"backward": backward, "autocast": checked_autocast}
     proxies: dict[int, Fp32ScopedModule] = {}
-    for slot, precision in plan:
+    for slot, precision, region in plan:
         if id(slot.stored) not in proxies:
-            proxies[id(slot.stored)] = Fp32ScopedModule(slot.stored, precision, name=slot.name, **options)
+            proxies[id(slot.stored)] = Fp32ScopedModule(
+                slot.stored, precision, name=slot.name, in_graph=region, **options
+            )
     done: list[_Slot] = []
     try:
-        for slot, _ in plan:
+        for slot, _, _ in plan:
             setattr(slot.parent, slot.key, proxies[id(slot.stored)])
             done.append(slot)
     except BaseException:
         for slot in reversed(done):
             setattr(slot.parent, slot.key, slot.stored)
         raise
-    return {slot.name: precision for slot, precision in plan}
+    return {slot.name: precision for slot, precision, _ in plan}
 
 
 def unscope_modules(model: torch.nn.Module) -> list[str]:

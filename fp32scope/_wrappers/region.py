@@ -42,6 +42,7 @@ from typing import Any, Final
 import torch
 from torch.utils import _pytree
 
+from fp32scope._compat import is_exporting
 from fp32scope._errors import Fp32ScopeError
 from fp32scope._flags import dynamo_exclude
 from fp32scope._flags.precision import Fp32Precision
@@ -91,6 +92,7 @@ class _TensorSlot:
 
 
 _TENSOR: Final = _TensorSlot()
+_SINGLE: Final = (None, ())  # the output spec of a node that returns one plain tensor
 _CONSTANTS: Final = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
@@ -297,6 +299,9 @@ def _unbind(slots: list[tuple[Any, str, int]], kind: str, saved: list[Any]) -> N
 
 
 def _flatten_out(region: Region, layout: int, out: Any) -> list[torch.Tensor]:
+    if type(out) is torch.Tensor:  # the usual output: no structure to keep
+        region.out_specs[layout] = _SINGLE
+        return [out]
     flat, spec = _pytree.tree_flatten(out)
     tensors = []
     consts: list[Any] = []
@@ -328,6 +333,20 @@ def _unalias(outputs: list[torch.Tensor], *inputs: list[torch.Tensor]) -> list[t
             if o.untyped_storage().data_ptr() in storages:
                 outputs[i] = o.clone()
     return outputs
+
+
+def _run_fake(region: Region, run: _Run, args: list[Any], kwargs: dict[str, Any], *, grad: bool) -> Any:
+    try:
+        if grad:
+            with _AboveAutograd(), torch.enable_grad():
+                return run(args, kwargs)
+        with torch.no_grad():
+            return run(args, kwargs)
+    except AssertionError as error:
+        # Fake tensor mode meeting a real tensor: one the node holds by closure or as a global.
+        if "FakeTensor" in str(error):
+            raise Fp32ScopeError(_outside_tensor_message(region, "")) from error
+        raise
 
 
 def _execute(
@@ -374,13 +393,12 @@ def _execute(
         saved_b = _bind(b_slots, "_buffers", buffers)
         try:
             if fake:
-                with _AboveAutograd():
-                    out = run(args, kwargs)
+                out = _run_fake(region, run, args, kwargs, grad=bool(grad_mask))
             elif grad_mask:
                 with _AboveAutograd(), torch.enable_grad(), region.scope:
                     out = run(args, kwargs)
-            else:
-                with _AboveAutograd(), region.scope:
+            else:  # no autograd to record: the op's kernel runs as it was reached
+                with region.scope:
                     out = run(args, kwargs)
         finally:
             _unbind(b_slots, "_buffers", saved_b)
@@ -410,6 +428,10 @@ _lib.define(
     "Tensor[] buffers) -> Tensor[]"
 )
 _lib.define(
+    "region_grad(int key, int layout, int[] autocast, int[] mutated, Tensor[] tensors, Tensor[] params, "
+    "Tensor[] buffers) -> Tensor[]"
+)
+_lib.define(
     "region_train(int key, int layout, int[] autocast, int[] mutated, int grad_mask, Tensor[] tensors, "
     "Tensor[] params, Tensor[] buffers) -> Tensor[]"
 )
@@ -422,8 +444,7 @@ def _region_impl(key: int, layout: int, autocast: list[int], mutated: list[int],
 
 
 def _region_fake(key: int, layout: int, autocast: list[int], mutated: list[int], tensors: list[torch.Tensor], params: list[torch.Tensor], buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-    with torch.no_grad():
-        outputs, updates, _ = _execute(_regions[key], layout, autocast, mutated, tensors, params, buffers, fake=True)
+    outputs, updates, _ = _execute(_regions[key], layout, autocast, mutated, tensors, params, buffers, fake=True)
     return [o.clone() for o in outputs] + updates
 
 
@@ -446,7 +467,38 @@ def _region_train_impl(key: int, layout: int, autocast: list[int], mutated: list
 
 
 def _region_train_fake(key: int, layout: int, autocast: list[int], mutated: list[int], grad_mask: int, tensors: list[torch.Tensor], params: list[torch.Tensor], buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [*_region_fake(key, layout, autocast, mutated, tensors, params, buffers), torch.empty((1,), dtype=torch.int64)]
+    region = _regions[key]
+    outputs, updates, saved = _execute(
+        region, layout, autocast, mutated, tensors, params, buffers, fake=True, grad_mask=grad_mask
+    )
+    assert saved is not None
+    _check_leaves(region, saved)
+    return [*(o.clone() for o in outputs), *updates, torch.empty((1,), dtype=torch.int64)]
+
+
+def _outside_tensor_message(region: Region, what: str) -> str:
+    return (
+        f"Scoped node {region.name!r} (in_graph=True) uses a tensor{what} which is neither one of its arguments "
+        "nor a parameter or buffer of the node: an in-graph region cannot carry it (its gradient would be lost, "
+        "the compiled graph would not see it change). Pass that tensor to the node as an argument, register it "
+        "on the node's module, or wrap the node with in_graph=False."
+    )
+
+
+def _check_leaves(region: Region, saved: _Saved) -> None:
+    """Refuse a node whose forward reaches tensors needing a gradient that are not its op's inputs."""
+    mine = {id(t) for t in saved.inputs}
+    seen: set[Any] = set()
+    todo = [o.grad_fn for o in saved.outputs if o.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) not in mine:
+            raise Fp32ScopeError(_outside_tensor_message(region, f" that requires grad (shape {tuple(variable.shape)})"))
+        todo.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _region_backward_impl(key: int, token: torch.Tensor, grads: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -512,14 +564,19 @@ def _region_autograd(key: int, layout: int, autocast: list[int], mutated: list[i
         out = _RegionFunction.apply((key, layout, autocast, mutated), len(tensors), len(params), *tensors, *params, *buffers)
         return list(out[:-1])  # without the token
     with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.fp32scope.region(key, layout, autocast, mutated, tensors, params, buffers)
+        return torch.ops.fp32scope.region_grad(key, layout, autocast, mutated, tensors, params, buffers)
 
 
+# Two forward ops, picked when the graph is traced (Dynamo guards grad mode and which inputs
+# require grad): "region" where no gradient is needed, with no autograd formula (so the
+# kernel is reached without a Python autograd kernel on the way), "region_grad" elsewhere.
 _lib.impl("region", _region_impl, "CompositeExplicitAutograd")
-_lib.impl("region", _region_autograd, "Autograd")
+_lib.impl("region_grad", _region_impl, "CompositeExplicitAutograd")
+_lib.impl("region_grad", _region_autograd, "Autograd")
 _lib.impl("region_train", _region_train_impl, "CompositeExplicitAutograd")
 _lib.impl("region_backward", _region_backward_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("fp32scope::region", _region_fake, lib=_lib)
+torch.library.register_fake("fp32scope::region_grad", _region_fake, lib=_lib)
 torch.library.register_fake("fp32scope::region_train", _region_train_fake, lib=_lib)
 torch.library.register_fake("fp32scope::region_backward", _region_backward_fake, lib=_lib)
 
@@ -530,6 +587,16 @@ torch.library.register_fake("fp32scope::region_backward", _region_backward_fake,
 def region_call(key: int, n_args: int, kw_names: tuple[str, ...], *values: Any) -> Any:
     """A scoped node's call, as traced: ``values`` are its arguments, parameters and buffers."""
     region = _regions[key]
+    if is_exporting():
+        msg = (
+            f"torch.export cannot export scoped node {region.name!r} (in_graph=True): its region runs the node "
+            "through this process's fp32scope, which a loading process does not have. Export the bare node "
+            "(scoped.__wrapped__) and save or compile it with its precision: "
+            "fp32scope.save_exported_program(exported_program, f, precision) or "
+            "fp32scope.aoti_compile_and_package(exported_program, precision); or export the model with the node "
+            "unscoped (fp32scope.unscope_modules(model))."
+        )
+        raise Fp32ScopeError(msg)
     n_params, n_buffers = region.counts()
     end = len(values) - n_params - n_buffers
     call_values = values[:end]
@@ -540,12 +607,16 @@ def region_call(key: int, n_args: int, kw_names: tuple[str, ...], *values: Any) 
     autocast = _autocast_state()
     known = region.mutated.get(region.training_layout())
     mutated = [_UNKNOWN] if known is None else list(known)
-    out = torch.ops.fp32scope.region(key, layout, autocast, mutated, tensors, params, buffers)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in itertools.chain(tensors, params))
+    op = torch.ops.fp32scope.region_grad if grad else torch.ops.fp32scope.region
+    out = op(key, layout, autocast, mutated, tensors, params, buffers)
     found = region.mutated[region.training_layout()]
     n_out = len(out) - len(found)
     for i, update in zip(found, out[n_out:], strict=True):
         buffers[i].copy_(update)
     spec, consts = region.out_specs[layout]
+    if spec is None:
+        return out[0]
     it = iter(out[:n_out])
     flat = [next(it) if c is _TENSOR else c for c in consts]
     return _pytree.tree_unflatten(flat, spec)
@@ -586,6 +657,8 @@ dynamo_exclude.exclude(
     _region_backward_impl,
     _region_backward_fake,
     _region_autograd,
+    _check_leaves,
+    _run_fake,
     _forget,
     _RegionFunction.forward,
     _RegionFunction.backward,

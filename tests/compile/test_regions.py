@@ -1,0 +1,461 @@
+"""In-graph regions (``in_graph=True``): a scoped node inside one compiled graph, in its precision.
+
+The precision is read where kernels run: probes (opaque custom ops that record the flags
+when they execute, forward and backward) sit before, inside and after the scoped node.
+Graphs and graph breaks are Dynamo's counters. Gradients, outputs and buffers are compared
+with the same model run eagerly with today's scoped modules (``in_graph=False``), which
+the wrapper tests check against hand-set precisions.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from fp32scope import (
+    Fp32Precision,
+    Fp32ScopedModule,
+    Fp32ScopeError,
+    current_fp32_precision,
+    scope_modules,
+    set_process_default,
+    with_fp32_precision,
+)
+from tests._support import probe as _probe
+from tests._support.common import DEFAULT, FULL, BoomError
+from tests._support.compiled import forbid_recompiles
+from tests._support.probe import phases, probe
+
+pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
+
+WIDTH = 16
+MEDIUM = Fp32Precision("medium", True)
+
+#: (process default, the node's precision): full float32 under a TF32 default, a reduced
+#: precision under a full-float32 default, and the cuDNN flag alone.
+DIRECTIONS = [(DEFAULT, FULL), (FULL, MEDIUM), (DEFAULT, Fp32Precision(None, False))]
+
+
+@pytest.fixture(autouse=True)
+def _clear_probes() -> None:
+    _probe.SEEN.clear()
+    _probe.FAIL_IN_BACKWARD.clear()
+
+
+class Block(torch.nn.Module):
+    """Linear + GELU with a probe on its output, tagged."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.tag = tag
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return probe(torch.nn.functional.gelu(self.linear(x)), self.tag)
+
+
+class Stack(torch.nn.Module):
+    """``before -> node -> after``, the node scoped with ``precision`` (and ``in_graph``)."""
+
+    def __init__(self, precision: Fp32Precision, *, in_graph: bool, node: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.before = Block("before")
+        self.node = Fp32ScopedModule(node if node is not None else Block("node"), precision, in_graph=in_graph)
+        self.after = Block("after")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.after(self.node(self.before(x)))
+
+
+def _graphs_and_breaks() -> tuple[int, int]:
+    return int(counters["stats"]["unique_graphs"]), sum(counters["graph_break"].values())
+
+
+def _train_step(model: Callable[[torch.Tensor], torch.Tensor], params: list[torch.nn.Parameter], x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    for p in params:
+        p.grad = None
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in params if p.grad is not None]
+
+
+@pytest.mark.parametrize(("default", "node"), DIRECTIONS, ids=["highest-under-high", "medium-under-highest", "cudnn-off"])
+def test_a_region_runs_its_node_in_its_precision_inside_one_fullgraph(default: Fp32Precision, node: Fp32Precision) -> None:
+    set_process_default(default)
+    torch.manual_seed(0)
+    eager = Stack(node, in_graph=False)
+    model = copy.deepcopy(eager)
+    model.node = Fp32ScopedModule(model.node.__wrapped__, node, in_graph=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    expected = current_fp32_precision()  # the default, as the process reads it
+    inside = Fp32ScopedModule(torch.nn.Identity(), node)
+    with inside._self_scope:
+        in_node = current_fp32_precision()
+
+    with torch.no_grad():
+        out = compiled(x)
+    assert phases("fwd") == {"before": [expected], "node": [in_node], "after": [expected]}
+    assert current_fp32_precision() == expected
+    with torch.no_grad():
+        torch.testing.assert_close(out, eager(x), rtol=0, atol=0)
+
+    _probe.SEEN.clear()
+    loss, grads = _train_step(compiled, list(model.parameters()), x)
+    assert phases("fwd") == {"before": [expected], "node": [in_node], "after": [expected]}
+    assert phases("bwd") == {"after": [expected], "node": [in_node], "before": [expected]}
+    assert current_fp32_precision() == expected
+    ref_loss, ref_grads = _train_step(eager, list(eager.parameters()), x)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert _graphs_and_breaks() == (2, 0)  # one forward-only graph, one training graph; no break
+
+
+def test_a_region_compiles_once_under_inductor_and_trains_as_eager() -> None:
+    set_process_default(DEFAULT)
+    torch.manual_seed(0)
+    eager = Stack(FULL, in_graph=False)
+    model = copy.deepcopy(eager)
+    model.node = Fp32ScopedModule(model.node.__wrapped__, FULL, in_graph=True)
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    params = list(model.parameters())
+    _train_step(compiled, params, x)
+    with torch.no_grad():
+        compiled(x)
+    _probe.SEEN.clear()
+    with forbid_recompiles():
+        loss, grads = _train_step(compiled, params, x)
+        with torch.no_grad():
+            compiled(x)
+    assert phases("fwd")["node"] == [FULL, FULL]
+    assert phases("bwd")["node"] == [FULL]
+    assert {p for tag in ("before", "after") for p in phases("fwd")[tag]} == {DEFAULT}
+    ref_loss, ref_grads = _train_step(eager, list(eager.parameters()), x)
+    torch.testing.assert_close(loss, ref_loss)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want)
+    assert _graphs_and_breaks() == (2, 0)
+
+
+def test_a_region_called_eagerly_is_todays_scoped_call() -> None:
+    set_process_default(DEFAULT)
+    torch.manual_seed(0)
+    eager = Stack(FULL, in_graph=False)
+    model = copy.deepcopy(eager)
+    model.node = Fp32ScopedModule(model.node.__wrapped__, FULL, in_graph=True)
+    x = torch.randn(4, WIDTH)
+    loss, grads = _train_step(model, list(model.parameters()), x)
+    assert phases("fwd")["node"] == [FULL]
+    assert phases("bwd")["node"] == [FULL]
+    ref_loss, ref_grads = _train_step(eager, list(eager.parameters()), x)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class Raising(torch.nn.Module):
+    """A node that raises BoomError while ``armed`` (read when it runs, not when it is traced)."""
+
+    armed = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if Raising.armed:
+            raise BoomError
+        return self.linear(x)
+
+
+def test_flags_are_restored_when_the_node_raises_inside_its_region() -> None:
+    set_process_default(DEFAULT)
+    model = Stack(FULL, in_graph=True, node=Raising())
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    with torch.no_grad():
+        compiled(x)
+    Raising.armed = True
+    try:
+        with torch.no_grad(), pytest.raises(BoomError):
+            compiled(x)
+    finally:
+        Raising.armed = False
+    assert current_fp32_precision() == DEFAULT
+
+
+def test_flags_are_restored_when_the_nodes_backward_raises_inside_its_region() -> None:
+    set_process_default(DEFAULT)
+    model = Stack(FULL, in_graph=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    _probe.FAIL_IN_BACKWARD.add("node")
+    with pytest.raises(_probe.ProbeError):
+        compiled(x).sum().backward()
+    assert current_fp32_precision() == DEFAULT
+    assert phases("bwd")["node"] == [FULL]
+
+
+class Normed(torch.nn.Module):
+    """Linear then BatchNorm1d: a node that updates buffers in training mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.norm = torch.nn.BatchNorm1d(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_buffers_a_region_updates_end_as_in_eager(backend: str) -> None:
+    set_process_default(DEFAULT)
+    torch.manual_seed(0)
+    eager = Stack(FULL, in_graph=False, node=Normed())
+    model = copy.deepcopy(eager)
+    model.node = Fp32ScopedModule(model.node.__wrapped__, FULL, in_graph=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    params = list(model.parameters())
+    for step in range(3):
+        x = torch.randn(8, WIDTH)
+        loss, grads = _train_step(compiled, params, x)
+        ref_loss, ref_grads = _train_step(eager, list(eager.parameters()), x)
+        torch.testing.assert_close(loss, ref_loss)
+        for got, want in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(got, want)
+        for (name, got), want in zip(model.named_buffers(), eager.buffers(), strict=True):
+            torch.testing.assert_close(got, want, msg=f"buffer {name} after step {step}")
+    assert int(model.node.norm.num_batches_tracked) == 3
+    model.eval()
+    eager.eval()
+    x = torch.randn(8, WIDTH)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), eager(x))
+    assert int(model.node.norm.num_batches_tracked) == 3
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def test_a_region_with_autocast_false_runs_without_the_callers_autocast() -> None:
+    set_process_default(DEFAULT)
+    torch.manual_seed(0)
+    node = Block("node")
+    eager = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), Fp32ScopedModule(node, FULL, autocast=False))
+    model = copy.deepcopy(eager)
+    model[1] = Fp32ScopedModule(model[1].__wrapped__, FULL, autocast=False, in_graph=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x)
+        ref = eager(x)
+    assert out.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    out.sum().backward()
+    assert model[1].linear.weight.grad is not None
+    assert model[1].linear.weight.grad.dtype == torch.float32
+
+
+def test_a_region_keeps_the_callers_autocast_where_its_policy_says_so() -> None:
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), Fp32ScopedModule(Block("node"), FULL, autocast=True))
+    model = copy.deepcopy(eager)
+    model[1] = Fp32ScopedModule(model[1].__wrapped__, FULL, autocast=True, in_graph=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x)
+        ref = eager(x)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_checkpointing_around_a_region_recomputes_it_in_its_precision() -> None:
+    set_process_default(DEFAULT)
+    torch.manual_seed(0)
+
+    class Checkpointed(Stack):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.utils.checkpoint.checkpoint(self.node, self.before(x), use_reentrant=False)
+            return self.after(y)
+
+    eager = Checkpointed(FULL, in_graph=False)
+    model = copy.deepcopy(eager)
+    model.node = Fp32ScopedModule(model.node.__wrapped__, FULL, in_graph=True)
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, WIDTH)
+    loss, grads = _train_step(compiled, list(model.parameters()), x)
+    assert phases("fwd")["node"] == [FULL, FULL]  # the forward, and its recompute in the backward
+    assert phases("bwd")["node"] == [FULL]
+    ref_loss, ref_grads = _train_step(eager, list(eager.parameters()), x)
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_compiled_model_with_regions_serves_from_another_thread_without_recompiling() -> None:
+    set_process_default(DEFAULT)
+    model = Stack(FULL, in_graph=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    with torch.no_grad():
+        warm = compiled(x)
+
+    def serve() -> torch.Tensor:
+        with torch.no_grad():
+            return compiled(x)
+
+    _probe.SEEN.clear()
+    with forbid_recompiles(), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        served = pool.submit(serve).result()
+    torch.testing.assert_close(served, warm, rtol=0, atol=0)
+    assert phases("fwd") == {"before": [DEFAULT], "node": [FULL], "after": [DEFAULT]}
+
+
+def test_a_model_with_breaks_and_one_with_regions_never_share_a_compiled_entry() -> None:
+    set_process_default(DEFAULT)
+    x = torch.randn(4, WIDTH)
+    broken = torch.compile(Stack(FULL, in_graph=False), backend="aot_eager")
+    with torch.no_grad():
+        broken(x)
+    assert sum(counters["graph_break"].values()) > 0
+    counters.clear()
+    regions = torch.compile(Stack(FULL, in_graph=True), backend="aot_eager", fullgraph=True)
+    _probe.SEEN.clear()
+    with torch.no_grad():
+        regions(x)
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 1  # compiled for itself: one graph, no break
+    assert phases("fwd")["node"] == [FULL]
+
+
+def _shows_disable_reason() -> bool:
+    # Whether this Dynamo puts a torch.compiler.disable mark's reason into its error (not torch 2.4).
+    return "_torchdynamo_disable_msg" in Path(torch._dynamo.eval_frame.__file__).read_text()
+
+
+def test_fullgraph_without_in_graph_says_to_pass_in_graph() -> None:
+    compiled = torch.compile(Stack(FULL, in_graph=False), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="disable") as raised:
+        compiled(torch.randn(4, WIDTH))
+    if _shows_disable_reason():
+        assert "in_graph=True" in str(raised.value)
+
+
+def test_scope_modules_makes_regions_from_its_argument_and_from_a_json_rule() -> None:
+    set_process_default(DEFAULT)
+    model = torch.nn.Sequential(Block("a"), Block("b"), Block("c"))
+    done = scope_modules(model, {"0": "highest", "1": {"matmul": "highest", "in_graph": False}}, in_graph=True)
+    assert set(done) == {"0", "1"}
+    assert model[0]._self_region is not None
+    assert model[1]._self_region is None
+    counters.clear()
+    with torch.no_grad():
+        torch.compile(model, backend="aot_eager")(torch.randn(4, WIDTH))
+    assert sum(counters["graph_break"].values()) > 0  # the rule's own in_graph=False: a break at "1"
+    with pytest.raises(TypeError, match=r"policy\['2'\]\['in_graph'\] must be True .* got 'yes'"):
+        scope_modules(model, {"2": {"matmul": "highest", "in_graph": "yes"}})
+    assert model[2].__class__ is Block  # nothing changed
+    with pytest.raises(TypeError, match="in_graph must be True"):
+        scope_modules(model, {"2": "highest"}, in_graph=1)  # type: ignore[arg-type]
+
+
+def test_a_function_region_runs_in_its_precision_and_passes_gradients() -> None:
+    set_process_default(DEFAULT)
+
+    @with_fp32_precision(FULL, in_graph=True)
+    def head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return probe(x @ w, "head")
+
+    w = torch.randn(WIDTH, WIDTH, requires_grad=True)
+    x = torch.randn(4, WIDTH, requires_grad=True)
+    compiled = torch.compile(lambda x, w: head(x.relu(), w).sum(), backend="aot_eager", fullgraph=True)
+    compiled(x, w).backward()
+    assert phases("fwd")["head"] == [FULL]
+    assert phases("bwd")["head"] == [FULL]
+    gx, gw = torch.autograd.grad((x.relu() @ w).sum(), [x, w])
+    torch.testing.assert_close(x.grad, gx)
+    torch.testing.assert_close(w.grad, gw)
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def test_a_region_that_reaches_a_tensor_needing_grad_by_closure_is_refused() -> None:
+    outside = torch.nn.Parameter(torch.randn(WIDTH, WIDTH))
+
+    @with_fp32_precision(FULL, in_graph=True, name="closure")
+    def head(x: torch.Tensor) -> torch.Tensor:
+        return x @ outside
+
+    compiled = torch.compile(lambda x: head(x).sum(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"'closure' \(in_graph=True\) uses a tensor which is neither"):
+        compiled(torch.randn(4, WIDTH))
+    # Also where the argument needs a gradient (the region's training path).
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: head(x).sum(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"'closure' \(in_graph=True\) uses a tensor"):
+        compiled(torch.randn(4, WIDTH, requires_grad=True))
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, scale: float, *, extra: Any = None) -> tuple[torch.Tensor, None]:
+        return self.linear(x) * scale, None
+
+
+def test_a_region_takes_constants_and_returns_tuples() -> None:
+    torch.manual_seed(0)
+    eager = Scaled()
+    node = Fp32ScopedModule(copy.deepcopy(eager), FULL, in_graph=True)
+    compiled = torch.compile(lambda x: node(x, 2.0, extra="text")[0], backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    torch.testing.assert_close(compiled(x), eager(x, 2.0)[0], rtol=0, atol=0)
+    bad = torch.compile(lambda x: node(x, 2.0, extra=[1, 2])[0], backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="keyword argument 'extra' of type .*list"):
+        bad(x)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_of_a_model_with_a_region_is_refused_naming_the_per_node_path(strict: bool) -> None:
+    model = Stack(FULL, in_graph=True)
+    with pytest.raises(Exception, match=r"torch.export cannot export scoped node .*save_exported_program"):
+        torch.export.export(model, (torch.randn(4, WIDTH),), strict=strict)
+
+
+def test_a_regions_kept_forward_graph_is_freed_after_its_backward_and_when_never_used() -> None:
+    from fp32scope._wrappers import region as _region
+
+    model = Stack(FULL, in_graph=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    compiled(x).sum().backward()
+    assert _region._saved == {}
+    out = compiled(x)  # a forward whose backward never runs
+    assert len(_region._saved) == 1
+    del out
+    assert _region._saved == {}
+
+
+def test_in_graph_is_checked_and_kept_by_copies_and_pickles() -> None:
+    import pickle
+
+    with pytest.raises(TypeError, match=r"in_graph must be True .* got 'yes' of type str"):
+        Fp32ScopedModule(torch.nn.Linear(2, 2), FULL, in_graph="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="in_graph must be True"):
+        with_fp32_precision(FULL, in_graph=None)  # type: ignore[arg-type]
+    scoped = Fp32ScopedModule(torch.nn.Linear(2, 2), FULL, in_graph=True)
+    for other in (copy.copy(scoped), copy.deepcopy(scoped), pickle.loads(pickle.dumps(scoped))):  # noqa: S301
+        assert other._self_region is not None
+        assert other._self_region is not scoped._self_region
+    assert "in_graph=True" in repr(scoped)
