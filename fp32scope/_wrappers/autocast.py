@@ -44,10 +44,12 @@ __all__ = [
     "AutocastPolicy",
     "any_autocast",
     "asks_full_float32",
+    "cast_to_float32",
     "check_autocast",
     "cublas_override_message",
     "run_under_autocast",
     "warn_cublas_override",
+    "warn_once_under_autocast",
 ]
 
 #: One C call: whether autocast is on for any device type on this thread.
@@ -142,6 +144,18 @@ def _cast(value: Any, device_types: tuple[str, ...]) -> Any:  # noqa: PLR0911  (
         except TypeError:  # a mapping type that cannot be built from a dict
             return cast
     return value
+
+
+def cast_to_float32(value: Any, device_types: tuple[str, ...]) -> Any:
+    """``value`` with its floating-point tensors of ``device_types`` cast to float32 (float64 aside)."""
+    return _cast(value, device_types)
+
+
+def warn_once_under_autocast(policy: AutocastPolicy) -> None:
+    """Warn now if ``policy`` still has to (a full-float32 node with ``autocast=None``), once."""
+    if policy.action == _WARN:
+        policy.action = None
+        _warn(policy)
 
 
 def _warn(policy: AutocastPolicy) -> None:
@@ -249,4 +263,6 @@ def warn_cublas_override(precision: Fp32Precision | None, name: str) -> None:
 
 # Frames only: these run in a wrapper's eager call, where a compiling caller's Dynamo
 # callback is active; the call they make is the wrapper's, compiled as before.
-dynamo_exclude.exclude(run_under_autocast, _cast, _warn, _exported, graph_break=False)
+dynamo_exclude.exclude(
+    run_under_autocast, _cast, _warn, _exported, cast_to_float32, warn_once_under_autocast, graph_break=False
+)

@@ -129,7 +129,7 @@ def with_fp32_precision(
         warn_cublas_override(checked, label)
         scoped = _scoped_function(target, wrapper_scope(checked, label), checked, backward, trampoline, policy)
         if in_graph:
-            scoped = _in_graph_function(scoped, Region(target, checked, label, mode))
+            scoped = _in_graph_function(scoped, Region(target, policy, label))
         return scoped  # type: ignore[return-value]
 
     return decorate

@@ -52,13 +52,13 @@ def _self_returning_methods() -> tuple[str, ...]:
 SELF_RETURNING_METHODS: tuple[str, ...] = _self_returning_methods()
 
 
-def _rebuild(
+def _rebuild(  # noqa: PLR0913, PLR0917  (positional: what pickles from every release carry)
     module: torch.nn.Module,
     precision: Fp32Precision | None,
     name: str,
     backward: bool = True,  # noqa: FBT002  (pickles from fp32scope 0.1 carry three arguments)
     autocast: bool | None = None,  # (and four, before autocast)
-    in_graph: bool = False,  # noqa: FBT001, FBT002  (and five, before in-graph regions)
+    in_graph: bool = False,  # noqa: FBT002  (and five, before in-graph regions)
 ) -> Fp32ScopedModule:
     return Fp32ScopedModule(module, precision, name=name, backward=backward, autocast=autocast, in_graph=in_graph)
 
@@ -118,13 +118,13 @@ class Fp32ScopedModule(_ProxyBase):
     with :func:`precision_of`; the bare module is ``__wrapped__``.
     """
 
-    def __new__(cls, /, *args: Any, **kwargs: Any) -> Fp32ScopedModule:  # noqa: D102  (see the class)
-        if cls is Fp32ScopedModule and kwargs.get("in_graph") is True:
-            cls = _InGraphScopedModule
-        proxy: Fp32ScopedModule = super().__new__(cls)
+    def __new__(cls, /, *_args: Any, **kwargs: Any) -> Fp32ScopedModule:  # noqa: PYI034  (may make a subclass)
+        # in_graph=True makes the subclass whose call Dynamo traces (see _InGraphScopedModule).
+        kind = _InGraphScopedModule if cls is Fp32ScopedModule and kwargs.get("in_graph") is True else cls
+        proxy: Fp32ScopedModule = super().__new__(kind)
         return proxy
 
-    def __init__(
+    def __init__(  # noqa: PLR0913  (keyword-only options)
         self,
         # torch.compile(module) is typed as returning a plain callable; it is an nn.Module
         # at run time, which is checked below.
@@ -168,7 +168,7 @@ class Fp32ScopedModule(_ProxyBase):
         # Whether the first call still has to check the node's parameter dtypes (see _param_dtype).
         self._self_check_parameters = asks_full_float32(checked)
         # What a compiling parent traces in place of the call (see _region), or None: a graph break.
-        self._self_region = Region(module, checked, label, mode) if in_graph else None
+        self._self_region = Region(module, self._self_autocast, label) if in_graph else None
         _own_dict(self)  # what ``__dict__`` returns (see there)
 
     # Attribute reads: Python's own lookup, then wrapt's __getattr__ (the wrapped module's
@@ -323,6 +323,8 @@ class Fp32ScopedModule(_ProxyBase):
 
 class _InGraphScopedModule(Fp32ScopedModule):
     """A scoped module made with ``in_graph=True``: one region of a compiling parent's graph."""
+
+    _self_region: Region
 
     # Dynamo inlines this call (it is not marked): where it traces, the call becomes one
     # region of the graph; anywhere else it is the scoped call.

@@ -13,7 +13,7 @@ import concurrent.futures
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -23,7 +23,6 @@ from torch._dynamo.utils import counters
 from fp32scope import (
     Fp32Precision,
     Fp32ScopedModule,
-    Fp32ScopeError,
     current_fp32_precision,
     scope_modules,
     set_process_default,
@@ -72,23 +71,41 @@ class Stack(torch.nn.Module):
         self.after = Block("after")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.after(self.node(self.before(x)))
+        out: torch.Tensor = self.after(self.node(self.before(x)))
+        return out
+
+
+def _module(proxy: Fp32ScopedModule) -> torch.nn.Module:
+    # A proxy is a torch.nn.Module at run time (isinstance holds); its static type is wrapt's.
+    return cast("torch.nn.Module", proxy)
+
+
+def node_of(model: torch.nn.Sequential) -> Block:
+    """The bare Block that ``model[1]`` wraps."""
+    bare: Block = cast("Fp32ScopedModule", model[1]).__wrapped__
+    return bare
 
 
 def _graphs_and_breaks() -> tuple[int, int]:
     return int(counters["stats"]["unique_graphs"]), sum(counters["graph_break"].values())
 
 
-def _train_step(model: Callable[[torch.Tensor], torch.Tensor], params: list[torch.nn.Parameter], x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _train_step(
+    model: Callable[[torch.Tensor], torch.Tensor], params: list[torch.nn.Parameter], x: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     for p in params:
         p.grad = None
     loss = model(x).square().mean()
-    loss.backward()
+    torch.autograd.backward(loss)
     return loss.detach(), [p.grad.clone() for p in params if p.grad is not None]
 
 
-@pytest.mark.parametrize(("default", "node"), DIRECTIONS, ids=["highest-under-high", "medium-under-highest", "cudnn-off"])
-def test_a_region_runs_its_node_in_its_precision_inside_one_fullgraph(default: Fp32Precision, node: Fp32Precision) -> None:
+@pytest.mark.parametrize(
+    ("default", "node"), DIRECTIONS, ids=["highest-under-high", "medium-under-highest", "cudnn-off"]
+)
+def test_a_region_runs_its_node_in_its_precision_inside_one_fullgraph(
+    default: Fp32Precision, node: Fp32Precision
+) -> None:
     set_process_default(default)
     torch.manual_seed(0)
     eager = Stack(node, in_graph=False)
@@ -175,7 +192,8 @@ class Raising(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if Raising.armed:
             raise BoomError
-        return self.linear(x)
+        out: torch.Tensor = self.linear(x)
+        return out
 
 
 def test_flags_are_restored_when_the_node_raises_inside_its_region() -> None:
@@ -215,7 +233,8 @@ class Normed(torch.nn.Module):
         self.norm = torch.nn.BatchNorm1d(WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.linear(x))
+        out: torch.Tensor = self.norm(self.linear(x))
+        return out
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -250,9 +269,9 @@ def test_a_region_with_autocast_false_runs_without_the_callers_autocast() -> Non
     set_process_default(DEFAULT)
     torch.manual_seed(0)
     node = Block("node")
-    eager = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), Fp32ScopedModule(node, FULL, autocast=False))
+    eager = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), _module(Fp32ScopedModule(node, FULL, autocast=False)))
     model = copy.deepcopy(eager)
-    model[1] = Fp32ScopedModule(model[1].__wrapped__, FULL, autocast=False, in_graph=True)
+    model[1] = _module(Fp32ScopedModule(node_of(model), FULL, autocast=False, in_graph=True))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x = torch.randn(4, WIDTH)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -260,16 +279,19 @@ def test_a_region_with_autocast_false_runs_without_the_callers_autocast() -> Non
         ref = eager(x)
     assert out.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
-    out.sum().backward()
-    assert model[1].linear.weight.grad is not None
-    assert model[1].linear.weight.grad.dtype == torch.float32
+    torch.autograd.backward(out.sum())
+    grad = node_of(model).linear.weight.grad
+    assert grad is not None
+    assert grad.dtype == torch.float32
 
 
 def test_a_region_keeps_the_callers_autocast_where_its_policy_says_so() -> None:
     torch.manual_seed(0)
-    eager = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), Fp32ScopedModule(Block("node"), FULL, autocast=True))
+    eager = torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, WIDTH), _module(Fp32ScopedModule(Block("node"), FULL, autocast=True))
+    )
     model = copy.deepcopy(eager)
-    model[1] = Fp32ScopedModule(model[1].__wrapped__, FULL, autocast=True, in_graph=True)
+    model[1] = _module(Fp32ScopedModule(node_of(model), FULL, autocast=True, in_graph=True))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x = torch.randn(4, WIDTH)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -286,7 +308,8 @@ def test_checkpointing_around_a_region_recomputes_it_in_its_precision() -> None:
     class Checkpointed(Stack):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             y = torch.utils.checkpoint.checkpoint(self.node, self.before(x), use_reentrant=False)
-            return self.after(y)
+            out: torch.Tensor = self.after(y)
+            return out
 
     eager = Checkpointed(FULL, in_graph=False)
     model = copy.deepcopy(eager)
@@ -312,7 +335,8 @@ def test_a_compiled_model_with_regions_serves_from_another_thread_without_recomp
 
     def serve() -> torch.Tensor:
         with torch.no_grad():
-            return compiled(x)
+            out: torch.Tensor = compiled(x)
+            return out
 
     _probe.SEEN.clear()
     with forbid_recompiles(), concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -366,7 +390,7 @@ def test_scope_modules_makes_regions_from_its_argument_and_from_a_json_rule() ->
         scope_modules(model, {"2": {"matmul": "highest", "in_graph": "yes"}})
     assert model[2].__class__ is Block  # nothing changed
     with pytest.raises(TypeError, match="in_graph must be True"):
-        scope_modules(model, {"2": "highest"}, in_graph=1)  # type: ignore[arg-type]
+        scope_modules(model, {"2": "highest"}, in_graph=1)
 
 
 def test_a_function_region_runs_in_its_precision_and_passes_gradients() -> None:
@@ -379,7 +403,7 @@ def test_a_function_region_runs_in_its_precision_and_passes_gradients() -> None:
     w = torch.randn(WIDTH, WIDTH, requires_grad=True)
     x = torch.randn(4, WIDTH, requires_grad=True)
     compiled = torch.compile(lambda x, w: head(x.relu(), w).sum(), backend="aot_eager", fullgraph=True)
-    compiled(x, w).backward()
+    torch.autograd.backward(compiled(x, w))
     assert phases("fwd")["head"] == [FULL]
     assert phases("bwd")["head"] == [FULL]
     gx, gw = torch.autograd.grad((x.relu() @ w).sum(), [x, w])
