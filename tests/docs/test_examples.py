@@ -15,6 +15,7 @@ def test_every_example_is_tested() -> None:
     tested |= {"training_loop.py"}
     tested |= {"amp_training.py"}
     tested |= {"advise_moe.py"}
+    tested |= {"flux_fullgraph.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -103,3 +104,25 @@ def test_advise_moe() -> None:
     before, after = (float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if line.startswith("held-out error"))
     assert before > 2e-2  # the control: bf16 flips the router's choices on the held-out batch too
     assert after <= 2e-2
+
+
+def _diffusers_imports() -> str | None:
+    # diffusers 0.42 does not import on torch 2.4 (it uses torch.accelerator): why not, or None.
+    try:
+        import diffusers  # noqa: F401, PLC0415
+    except Exception as error:  # noqa: BLE001  (any import failure is a reason to skip)
+        return f"diffusers does not import with this torch: {type(error).__name__}: {error}"
+    return None
+
+
+@pytest.mark.compile
+def test_flux_fullgraph() -> None:
+    reason = _diffusers_imports()
+    if reason is not None:
+        pytest.skip(reason)
+    out = run_example("flux_fullgraph.py")
+    full = "time_text_embed ran with Fp32Precision(matmul='highest', cudnn_allow_tf32=True)"
+    assert out.count(full) == 3  # two compiled calls and the eager one
+    assert "ran with Fp32Precision(matmul='high'," not in out
+    assert "graphs: 1, graph breaks: 0" in out
+    assert "process default after the calls: Fp32Precision(matmul='high', cudnn_allow_tf32=True)" in out
