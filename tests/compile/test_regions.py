@@ -483,3 +483,35 @@ def test_in_graph_is_checked_and_kept_by_copies_and_pickles() -> None:
         assert other._self_region is not None
         assert other._self_region is not scoped._self_region
     assert "in_graph=True" in repr(scoped)
+
+
+def test_a_hugging_face_gpt2_compiled_whole_with_regions_trains_as_its_eager_scoped_twin() -> None:
+    from tests.wrappers.test_policy import _gpt2  # noqa: PLC0415  (skips where transformers cannot run)
+
+    set_process_default(DEFAULT)
+    eager = _gpt2().train()
+    for module in eager.modules():  # the same steps in both: no random numbers drawn
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    model = copy.deepcopy(eager)
+    policy = {"lm_head": "highest", r"re:transformer\.h\.\d+\.mlp": {"matmul": "highest", "cudnn_allow_tf32": False}}
+    scope_modules(eager, policy)
+    scope_modules(model, policy, in_graph=True)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied through the region too
+    compiled = torch.compile(model, backend="aot_eager")
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        losses = []
+        for net, optimizer in ((compiled, opt), (eager, eager_opt)):
+            optimizer.zero_grad()
+            loss = net(ids, labels=ids).loss
+            torch.autograd.backward(loss)
+            optimizer.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1])
+        for (name, got), want in zip(model.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(got, want, msg=f"parameter {name}")
+    assert current_fp32_precision() == DEFAULT
+    assert not any("fp32scope" in str(reason) for reason in counters["graph_break"])
