@@ -486,7 +486,7 @@ def test_in_graph_is_checked_and_kept_by_copies_and_pickles() -> None:
 
 
 def test_a_hugging_face_gpt2_compiled_whole_with_regions_trains_as_its_eager_scoped_twin() -> None:
-    from tests.wrappers.test_policy import _gpt2  # noqa: PLC0415  (skips where transformers cannot run)
+    from tests.wrappers.test_policy import _gpt2
 
     set_process_default(DEFAULT)
     eager = _gpt2().train()
