@@ -13,6 +13,9 @@ also called on fake tensors while the graph is traced, when it says nothing).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from diffusers import FluxTransformer2DModel
 from torch._dynamo.utils import counters
@@ -57,7 +60,7 @@ def main() -> None:
         "txt_ids": torch.zeros(text, 3),
         "return_dict": False,
     }
-    compiled = torch.compile(model, fullgraph=True)
+    compiled: Callable[..., Any] = torch.compile(model, fullgraph=True)
     counters.clear()
     with torch.no_grad():
         print("compiled call 1:")

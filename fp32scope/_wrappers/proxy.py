@@ -413,6 +413,11 @@ def _own_dict(proxy: Fp32ScopedModule) -> dict[str, Any]:
         # makes them (one code object, which Dynamo's guard checks), marked, so that a
         # compiled caller graph-breaks at its call and then calls the property's.
         own["forward"] = proxy.forward
+    # What Dynamo finds as the proxy's ``named_modules`` (it looks attributes up in the
+    # proxy's type and this dict, never through wrapt): the wrapped module's, so that a
+    # traced ``parameters()`` of a module holding this proxy (an in-graph region's node)
+    # walks into the wrapped module as Python does, instead of failing on the proxy's type.
+    own["named_modules"] = proxy.__wrapped__.named_modules
     return own
 
 

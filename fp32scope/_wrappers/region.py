@@ -52,7 +52,7 @@ from typing import Any, Final, cast
 import torch
 from torch.utils import _pytree
 
-from fp32scope._compat import is_exporting
+from fp32scope._compat import COMPILER_STATE, COMPILING_FLAG, is_exporting
 from fp32scope._errors import Fp32ScopeError
 from fp32scope._flags import dynamo_exclude
 from fp32scope._flags.scope import fp32_precision_scope, wrapper_scope
@@ -113,12 +113,13 @@ class _Saved:
 class _Layout:
     """How a call's arguments are rebuilt from the op's tensors: the graph's constants."""
 
-    __slots__ = ("kw_names", "n_args", "slots")
+    __slots__ = ("kw_names", "n_args", "plain", "slots")
 
     def __init__(self, n_args: int, kw_names: tuple[str, ...], slots: tuple[Any, ...]) -> None:
         self.n_args = n_args
         self.kw_names = kw_names
         self.slots = slots  # per argument: _TENSOR (the op's next tensor) or the constant itself
+        self.plain = not kw_names and all(s is _TENSOR for s in slots)
 
 
 class Region:
@@ -206,6 +207,8 @@ class Region:
     def rebuild(self, layout: int, tensors: list[torch.Tensor]) -> tuple[list[Any], dict[str, Any]]:
         """A call's positional and keyword arguments from its layout and the op's tensors."""
         spec = self.layouts[layout]
+        if spec.plain:  # only positional tensors: the usual call
+            return tensors, {}
         it = iter(tensors)
         values = [next(it) if s is _TENSOR else s for s in spec.slots]
         n = spec.n_args
@@ -213,27 +216,25 @@ class Region:
 
 
 class _Op:
-    """One call of a region op, as its schema gives it."""
+    """One call of a region op: ``spec`` is [layout, n_tensors, n_params, n_autocast, autocast..., mutated...]."""
 
     __slots__ = ("autocast", "buffers", "layout", "mutated", "params", "region", "tensors")
 
-    def __init__(  # noqa: PLR0913, PLR0917  (the op's schema)
-        self,
-        key: int,
-        layout: int,
-        autocast: list[int],
-        mutated: list[int],
-        tensors: list[torch.Tensor],
-        params: list[torch.Tensor],
-        buffers: list[torch.Tensor],
-    ) -> None:
+    def __init__(self, key: int, spec: list[int], values: list[torch.Tensor]) -> None:
         self.region = _regions[key]
-        self.layout = layout
-        self.autocast = autocast
-        self.mutated = mutated
-        self.tensors = tensors
-        self.params = params
-        self.buffers = buffers
+        self.layout, n_tensors, n_params, n_autocast = spec[:4]
+        self.autocast = spec[4 : 4 + n_autocast]
+        self.mutated = spec[4 + n_autocast :]
+        n_inputs = n_tensors + n_params
+        self.tensors = values[:n_tensors]
+        self.params = values[n_tensors:n_inputs]
+        self.buffers = values[n_inputs:]
+
+
+def _spec(layout: int, n_tensors: int, n_params: int, autocast: list[int], mutated: list[int]) -> list[int]:
+    # Every constant of an op call in one int[]: each list argument costs the dispatcher
+    # about as much as a small kernel, on every call.
+    return [layout, n_tensors, n_params, len(autocast), *autocast, *mutated]
 
 
 def _autocast_state() -> list[int]:
@@ -379,23 +380,29 @@ def _run(op: _Op, *, fake: bool, grad: bool) -> Any:
     p_slots, b_slots = region.slots(len(op.params), len(op.buffers))
     args, kwargs = region.rebuild(op.layout, op.tensors)
     saved_p = _bind(p_slots, "_parameters", op.params)
+    saved_b = None
     try:
-        saved_b = _bind(b_slots, "_buffers", op.buffers)
-        try:
-            if fake:
-                return _run_fake(op, args, kwargs, grad=grad)
-            if grad:
-                with _AboveAutograd(), torch.enable_grad(), region.scope:
-                    return _call_node(region, op.autocast, args, kwargs)
-            with region.scope:  # no graph to record: the kernel runs as it was reached
+        if b_slots:
+            saved_b = _bind(b_slots, "_buffers", op.buffers)
+        if fake:
+            return _run_fake(op, args, kwargs, grad=grad)
+        if grad:
+            with _AboveAutograd(), torch.enable_grad(), region.scope:
                 return _call_node(region, op.autocast, args, kwargs)
-        finally:
-            _unbind(b_slots, "_buffers", saved_b)
+        with region.scope:  # no graph to record: the kernel runs as it was reached
+            return _call_node(region, op.autocast, args, kwargs)
     finally:
+        if saved_b is not None:
+            _unbind(b_slots, "_buffers", saved_b)
         _unbind(p_slots, "_parameters", saved_p)
 
 
 def _run_fake(op: _Op, args: list[Any], kwargs: dict[str, Any], *, grad: bool) -> Any:
+    # The node runs on fake tensors as the op will run it for real: as an eager call, not a
+    # traced one (torch.compiler's flag is up while Dynamo or AOTAutograd trace), so that
+    # scoped nodes nested in it enter their scopes (on fake tensors) instead of refusing.
+    compiling = COMPILER_STATE[COMPILING_FLAG]
+    COMPILER_STATE[COMPILING_FLAG] = False
     try:
         if grad:
             with _AboveAutograd(), torch.enable_grad():
@@ -407,6 +414,8 @@ def _run_fake(op: _Op, args: list[Any], kwargs: dict[str, Any], *, grad: bool) -
         if "FakeTensor" in str(error):
             raise Fp32ScopeError(_outside_tensor_message(op.region, "")) from error
         raise
+    finally:
+        COMPILER_STATE[COMPILING_FLAG] = compiling
 
 
 def _execute(
@@ -458,32 +467,24 @@ def _check_leaves(region: Region, saved: _Saved) -> None:
 
 # -- the ops ------------------------------------------------------------------------------
 
-_SIGNATURE = "int key, int layout, int[] autocast, int[] mutated, Tensor[] tensors, Tensor[] params, Tensor[] buffers"
 # Two forward ops, picked when the graph is traced (Dynamo guards grad mode and which inputs
 # require grad): "region" where no gradient is needed, with no autograd formula (so that
 # its kernel is reached without a Python autograd kernel on the way), "region_grad" elsewhere.
-_lib.define(f"region({_SIGNATURE}) -> Tensor[]")  # type: ignore[no-untyped-call]
-_lib.define(f"region_grad({_SIGNATURE}) -> Tensor[]")  # type: ignore[no-untyped-call]
-_lib.define(  # type: ignore[no-untyped-call]
-    "region_train(int key, int layout, int[] autocast, int[] mutated, int grad_mask, Tensor[] tensors, "
-    "Tensor[] params, Tensor[] buffers) -> Tensor[]"
-)
+# ``values`` are the call's tensors, then the node's parameters, then its buffers.
+_lib.define("region(int key, int[] spec, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
+_lib.define("region_grad(int key, int[] spec, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
+_lib.define("region_train(int key, int[] spec, int grad_mask, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
 _lib.define("region_backward(int key, Tensor token, Tensor[] grads, Tensor[] like) -> Tensor[]")  # type: ignore[no-untyped-call]
 
 
-def _region_impl(*schema: Any) -> list[torch.Tensor]:
-    outputs, updates, _ = _execute(_Op(*schema), fake=False)
-    return outputs + updates
+def _region_impl(key: int, spec: list[int], values: list[torch.Tensor]) -> list[torch.Tensor]:
+    outputs, updates, _ = _execute(_Op(key, spec, values), fake=False)
+    return outputs + updates if updates else outputs
 
 
-def _region_fake(*schema: Any) -> list[torch.Tensor]:
-    outputs, updates, _ = _execute(_Op(*schema), fake=True)
+def _region_fake(key: int, spec: list[int], values: list[torch.Tensor]) -> list[torch.Tensor]:
+    outputs, updates, _ = _execute(_Op(key, spec, values), fake=True)
     return [o.clone() for o in outputs] + updates
-
-
-def _split_train(schema: tuple[Any, ...]) -> tuple[_Op, int]:
-    key, layout, autocast, mutated, grad_mask, tensors, params, buffers = schema
-    return _Op(key, layout, autocast, mutated, tensors, params, buffers), grad_mask
 
 
 def _forget(number: int) -> None:
@@ -491,9 +492,8 @@ def _forget(number: int) -> None:
         _saved.pop(number, None)
 
 
-def _region_train_impl(*schema: Any) -> list[torch.Tensor]:
-    op, grad_mask = _split_train(schema)
-    outputs, updates, saved = _execute(op, fake=False, grad_mask=grad_mask)
+def _region_train_impl(key: int, spec: list[int], grad_mask: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    outputs, updates, saved = _execute(_Op(key, spec, values), fake=False, grad_mask=grad_mask)
     number = next(_numbers)
     token = torch.full((1,), number, dtype=torch.int64)
     with _saved_lock:
@@ -502,8 +502,8 @@ def _region_train_impl(*schema: Any) -> list[torch.Tensor]:
     return [*outputs, *updates, token]
 
 
-def _region_train_fake(*schema: Any) -> list[torch.Tensor]:
-    op, grad_mask = _split_train(schema)
+def _region_train_fake(key: int, spec: list[int], grad_mask: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    op = _Op(key, spec, values)
     outputs, updates, saved = _execute(op, fake=True, grad_mask=grad_mask)
     _check_leaves(op.region, cast("_Saved", saved))
     return [*(o.clone() for o in outputs), *updates, torch.empty((1,), dtype=torch.int64)]
@@ -531,8 +531,9 @@ def _region_backward_impl(
     return [g if g is not None else torch.zeros_like(x) for g, x in zip(found, like, strict=True)]
 
 
-def _region_backward_fake(*schema: Any) -> list[torch.Tensor]:
-    like: list[torch.Tensor] = schema[3]
+def _region_backward_fake(
+    _key: int, _token: torch.Tensor, _grads: list[torch.Tensor], like: list[torch.Tensor]
+) -> list[torch.Tensor]:
     return [torch.empty_like(x) for x in like]
 
 
@@ -540,26 +541,23 @@ class _RegionFunction(torch.autograd.Function):
     """The autograd formula of ``fp32scope::region_grad``: forward keeps its graph, backward uses it."""
 
     @staticmethod
-    def forward(
-        ctx: Any, op: tuple[Any, ...], n_tensors: int, n_params: int, *flat: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        key, layout, autocast, mutated = op
-        region = _regions[key]
-        n_inputs = n_tensors + n_params
-        needs = ctx.needs_input_grad[3 : 3 + n_inputs]
+    def forward(ctx: Any, key: int, spec: list[int], *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        op = _Op(key, spec, list(values))
+        region = op.region
+        n_inputs = len(op.tensors) + len(op.params)
+        needs = ctx.needs_input_grad[2 : 2 + n_inputs]
         grad_mask = sum(1 << i for i, need in enumerate(needs) if need)
-        tensors, params, buffers = list(flat[:n_tensors]), list(flat[n_tensors:n_inputs]), list(flat[n_inputs:])
         with torch._C._AutoDispatchBelowAutograd():
-            out = torch.ops.fp32scope.region_train(key, layout, autocast, mutated, grad_mask, tensors, params, buffers)
-        n_updates = len(region.mutated[region.training_layout()]) if mutated == [_UNKNOWN] else len(mutated)
+            out = torch.ops.fp32scope.region_train(key, spec, grad_mask, list(values))
+        n_updates = len(region.mutated[region.training_layout()]) if op.mutated == [_UNKNOWN] else len(op.mutated)
         n_out = len(out) - 1 - n_updates
         token = out[-1]
         ctx.mark_non_differentiable(token, *out[n_out:-1])
-        ctx.save_for_backward(token, *(x for x, need in zip(flat[:n_inputs], needs, strict=True) if need))
+        ctx.save_for_backward(token, *(x for x, need in zip(values[:n_inputs], needs, strict=True) if need))
         ctx.key = key
         ctx.n_out = n_out
         ctx.needs = needs
-        ctx.n_buffers = len(buffers)
+        ctx.n_buffers = len(op.buffers)
         return tuple(out)
 
     @staticmethod
@@ -568,17 +566,16 @@ class _RegionFunction(torch.autograd.Function):
         outs = [g if g is not None else torch.zeros(()) for g in grads[: ctx.n_out]]
         found = iter(torch.ops.fp32scope.region_backward(ctx.key, token, outs, like))
         result = [next(found) if need else None for need in ctx.needs]
-        return (None, None, None, *result, *([None] * ctx.n_buffers))
+        return (None, None, *result, *([None] * ctx.n_buffers))
 
 
-def _region_autograd(*schema: Any) -> list[torch.Tensor]:
-    key, layout, autocast, mutated, tensors, params, buffers = schema
-    if torch.is_grad_enabled() and any(t.requires_grad for t in itertools.chain(tensors, params)):
+def _region_autograd(key: int, spec: list[int], values: list[torch.Tensor]) -> list[torch.Tensor]:
+    n_inputs = spec[1] + spec[2]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in values[:n_inputs]):
         apply = cast("Callable[..., tuple[torch.Tensor, ...]]", _RegionFunction.apply)
-        out = apply((key, layout, autocast, mutated), len(tensors), len(params), *tensors, *params, *buffers)
-        return list(out[:-1])  # without the token
+        return list(apply(key, spec, *values)[:-1])  # without the token
     with torch._C._AutoDispatchBelowAutograd():
-        below: list[torch.Tensor] = torch.ops.fp32scope.region_grad(*schema)
+        below: list[torch.Tensor] = torch.ops.fp32scope.region_grad(key, spec, values)
         return below
 
 
@@ -631,8 +628,8 @@ def region_call(key: int, n_args: int, kw_names: tuple[str, ...], *values: Any) 
     known = region.mutated.get(region.training_layout())
     mutated = [_UNKNOWN] if known is None else list(known)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in itertools.chain(tensors, params))
-    op = torch.ops.fp32scope.region_grad if grad else torch.ops.fp32scope.region
-    out = op(key, layout, autocast, mutated, tensors, params, buffers)
+    op = torch.ops.fp32scope.region_grad.default if grad else torch.ops.fp32scope.region.default
+    out = op(key, _spec(layout, len(tensors), n_params, autocast, mutated), [*tensors, *params, *buffers])
     found = region.mutated[region.training_layout()]
     n_out = len(out) - len(found)
     for i, update in zip(found, out[n_out:], strict=True):

@@ -23,6 +23,7 @@ from torch._dynamo.utils import counters
 from fp32scope import (
     Fp32Precision,
     Fp32ScopedModule,
+    Fp32ScopeError,
     current_fp32_precision,
     scope_modules,
     set_process_default,
@@ -515,3 +516,46 @@ def test_a_hugging_face_gpt2_compiled_whole_with_regions_trains_as_its_eager_sco
             torch.testing.assert_close(got, want, msg=f"parameter {name}")
     assert current_fp32_precision() == DEFAULT
     assert not any("fp32scope" in str(reason) for reason in counters["graph_break"])
+
+
+class Parent(torch.nn.Module):
+    """A node holding two scoped children: one a graph break, one a region of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken = Fp32ScopedModule(Block("broken"), MEDIUM)
+        self.region = Fp32ScopedModule(Block("inner"), FULL, in_graph=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.region(self.broken(x))
+        return out
+
+
+def test_scoped_nodes_nested_in_a_region_run_in_their_own_precisions() -> None:
+    set_process_default(DEFAULT)
+    model = Stack(Fp32Precision("highest", True), in_graph=True, node=Parent())
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    with torch.no_grad():
+        compiled(x)
+    _probe.SEEN.clear()
+    torch.autograd.backward(compiled(x).sum())
+    fwd, bwd = phases("fwd"), phases("bwd")
+    assert fwd["broken"] == bwd["broken"] == [MEDIUM]
+    assert fwd["inner"] == bwd["inner"] == [FULL]
+    assert fwd["before"] == bwd["before"] == [DEFAULT]
+    assert current_fp32_precision() == DEFAULT
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def test_a_region_compiled_alone_and_a_second_backward_through_it() -> None:
+    set_process_default(DEFAULT)
+    node = Fp32ScopedModule(Block("node"), FULL, in_graph=True)
+    compiled = torch.compile(node, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, WIDTH, requires_grad=True)
+    out = compiled(x).sum()
+    torch.autograd.backward(out, retain_graph=True)
+    assert phases("fwd")["node"] == phases("bwd")["node"] == [FULL]
+    with pytest.raises(Fp32ScopeError, match=r"a second time.*in_graph=False to use retain_graph=True"):
+        torch.autograd.backward(out)
+    assert current_fp32_precision() == DEFAULT
