@@ -20,10 +20,26 @@ def _check_model(model: object) -> torch.nn.Module:
         msg = f"model must be a torch.nn.Module; got {model!r} of type {type(model).__name__}."
         raise TypeError(msg)
     root = _bare(model)
+    if root is not model:
+        msg = (
+            f"model is an Fp32ScopedModule around a {type(root).__name__}; advise measures a bare model "
+            "(it refuses scoped ones rather than advising around their scopes): pass model.__wrapped__, or "
+            "call fp32scope.unscope_modules on its parent first."
+        )
+        raise ValueError(msg)
     if scoped_modules(root):
         msg = (
             f"model has scoped nodes already ({', '.join(scoped_modules(root))}); advise measures a bare "
-            "model: call fp32scope.unscope_modules(model) first."
+            "model (it refuses scoped ones rather than advising around their scopes): call "
+            "fp32scope.unscope_modules(model) first."
+        )
+        raise ValueError(msg)
+    on_meta = [name for name, t in [*root.named_parameters(), *root.named_buffers()] if t.is_meta]
+    if on_meta:
+        msg = (
+            f"model has tensors on the meta device ({', '.join(on_meta[:3])}{', ...' if len(on_meta) > 3 else ''}): "
+            "they hold no values to run; materialize the model first (model.to_empty(device=...) then "
+            "load_state_dict, or build it on a real device)."
         )
         raise ValueError(msg)
     return root
@@ -46,13 +62,53 @@ def _one_batch(batch: object, where: str) -> Batch:
     raise TypeError(msg)
 
 
-def _check_inputs(inputs: object) -> list[Batch]:
+def _check_inputs(inputs: object, name: str = "inputs") -> list[Batch]:
     if isinstance(inputs, list):
         if not inputs:
-            msg = "inputs is an empty list; give one batch or a list of at least one."
+            msg = f"{name} is an empty list; give one batch or a list of at least one."
             raise ValueError(msg)
-        return [_one_batch(b, f"inputs[{i}]") for i, b in enumerate(inputs)]
-    return [_one_batch(inputs, "inputs")]
+        batches = [_one_batch(b, f"{name}[{i}]") for i, b in enumerate(inputs)]
+    else:
+        batches = [_one_batch(inputs, name)]
+    for i, (args, kwargs) in enumerate(batches):
+        if any(isinstance(v, torch.Tensor) and v.is_meta for v in [*args, *kwargs.values()]):
+            msg = f"{name}[{i}] holds a tensor on the meta device, which holds no values to run; give real tensors."
+            raise ValueError(msg)
+    return batches
+
+
+def _check_held_out(held_out: object) -> list[Batch]:
+    if held_out is None:
+        return []
+    if isinstance(held_out, list) and not held_out:
+        msg = "held_out is an empty list; give None (no held-out batches), one batch, or a list of batches."
+        raise ValueError(msg)
+    return _check_inputs(held_out, "held_out")
+
+
+def _check_margin(margin: object) -> float:
+    if type(margin) not in (int, float):
+        msg = f"margin must be a number >= 1; got {margin!r} of type {type(margin).__name__}."
+        raise TypeError(msg)
+    value = float(margin)  # type: ignore[arg-type]  # int or float, checked above
+    if not (value >= 1 and math.isfinite(value)):
+        msg = (
+            f"margin must be a finite number >= 1 (the search meets tolerance / margin; 1: no margin); got {margin!r}."
+        )
+        raise ValueError(msg)
+    return value
+
+
+def _check_not_the_reference(fast: Fp32Precision, dtype: torch.dtype | None, device_type: str) -> None:
+    """Refuse a fast setting that is the reference itself: there would be nothing to measure."""
+    if dtype is None and fast.matmul == "highest" and (fast.cudnn_allow_tf32 is False or device_type != "cuda"):
+        msg = (
+            f"the fast setting is the reference itself (fast={fast}, autocast=None: full float32"
+            f"{'' if device_type == 'cuda' else f' on {device_type}, which has no cuDNN'}), so no node can "
+            "need full float32: give the setting the model runs at, e.g. fast='high' or 'medium', or "
+            "autocast=torch.bfloat16."
+        )
+        raise ValueError(msg)
 
 
 def _check_fast(fast: object) -> Fp32Precision:
@@ -142,6 +198,12 @@ def _select(root: torch.nn.Module, candidates: object) -> list[int]:
             f"selectors as scope_modules takes them; got {candidates!r} of type {type(candidates).__name__}."
         )
         raise TypeError(msg)
+    if not candidates:
+        msg = (
+            "candidates is an empty list: a policy would have no node to keep; give None (every submodule "
+            "doing floating-point work of its own) or at least one selector."
+        )
+        raise ValueError(msg)
     slots = _walk(root)
     chosen: set[int] = set()
     for selector in candidates:
