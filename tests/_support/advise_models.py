@@ -204,3 +204,128 @@ class Nested(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.outer(x)
         return out
+
+
+# -- models for what advise must leave as found, and for its figures ---------------------------
+
+
+class BatchNormNet(torch.nn.Module):
+    """A near-tie router model with BatchNorm in front: train mode moves its running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(WIDTH)
+        self.moe = NearTieMoE()
+        # Not in the state_dict: advise must put back every buffer, not only the persistent ones.
+        self.register_buffer("seen", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        out: torch.Tensor = self.moe(self.norm(x))
+        return out
+
+
+class Stateful(torch.nn.Module):
+    """Its output depends on a buffer it increments each call: repeatable only if the buffer is put back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = NearTieMoE()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out: torch.Tensor = self.moe(x) * self.calls
+        return out
+
+
+class WritesItsWeight(torch.nn.Module):
+    """Its forward writes one of its parameters (as some normalisations do): advise must put it back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = NearTieMoE()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.moe.experts[0].bias.add_(1.0)
+        out: torch.Tensor = self.moe(x)
+        return out
+
+
+class TwoLayer(torch.nn.Module):
+    """64 -> 64 then 64 -> 256: with a loss, the first does 1/7 of the work (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(64, 64, bias=False)
+        self.second = torch.nn.Linear(64, 256, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.second(torch.relu(self.first(x)))
+        return out
+
+
+def two_layer_batch() -> torch.Tensor:
+    return torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+
+
+def mean_square(output: torch.Tensor) -> torch.Tensor:
+    return output.float().square().mean()
+
+
+def quiet_batch() -> torch.Tensor:
+    """A batch of zeros: the router's logits are all 0 (no flip), only the biases reach the output."""
+    return torch.zeros(64, WIDTH)
+
+
+def held_out_batches() -> list[Any]:
+    return [torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(seed)) for seed in (3, 4, 5)]
+
+
+STEPS = 6
+
+
+def sample(model: torch.nn.Module, x: torch.Tensor, steps: int = STEPS) -> torch.Tensor:
+    """A sampling loop: each step feeds the model's output back in (error grows over the steps)."""
+    for _ in range(steps):
+        x = x + 0.1 * model(x)
+    return x
+
+
+#: The models the factories below built, for tests that check a command refused before building.
+BUILT: list[str] = []
+
+
+def counted_model() -> torch.nn.Module:
+    BUILT.append("counted_model")
+    return NearTieMoE()
+
+
+class Raises(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        msg = "the model's forward fails"
+        raise RuntimeError(msg)
+
+
+def scoped_model() -> torch.nn.Module:
+    import fp32scope
+
+    model = NearTieMoE()
+    fp32scope.scope_modules(model, {"router": "highest"})
+    return model
+
+
+def meta_model() -> torch.nn.Module:
+    with torch.device("meta"):
+        return NearTieMoE()
+
+
+def failing_loss(output: torch.Tensor) -> torch.Tensor:
+    msg = "the loss fails"
+    raise ValueError(msg)
