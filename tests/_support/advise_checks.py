@@ -86,19 +86,20 @@ def each(  # noqa: PLR0913  (the setting, as advise takes it)
     return errors
 
 
-def assert_meets_and_is_minimal(
+def assert_meets_and_is_minimal(  # noqa: PLR0913  (the setting, as advise takes it)
     model: torch.nn.Module,
     batches: list[Any],
     advice: fp32scope.Fp32Advice,
     *,
     fast: Fp32Precision,
     dtype: torch.dtype | None,
+    call: Any = None,
 ) -> None:
     tolerance = advice.tolerance / advice.margin  # what the search meets on the calibration batches
-    assert measured(model, batches, advice.policy, fast=fast, dtype=dtype) <= tolerance
+    assert measured(model, batches, advice.policy, fast=fast, dtype=dtype, call=call) <= tolerance
     for name in advice.policy:
         rest = {k: v for k, v in advice.policy.items() if k != name}
-        assert measured(model, batches, rest, fast=fast, dtype=dtype) > tolerance, f"{name} can be dropped"
+        assert measured(model, batches, rest, fast=fast, dtype=dtype, call=call) > tolerance, f"{name} can be dropped"
 
 
 class Snapshot:
