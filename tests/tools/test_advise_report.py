@@ -52,5 +52,3 @@ def test_progress_is_a_line_on_stderr_when_asked(progress: bool, capsys: pytest.
     captured = capsys.readouterr()
     assert captured.out == ""
     assert ("\rfp32scope advise: " in captured.err) is progress
-
-

@@ -140,8 +140,6 @@ def test_a_model_scoped_already_is_refused() -> None:
     assert calls == []
 
 
-
-
 def test_a_scoped_module_given_as_the_model_is_refused() -> None:
     model = models.NearTieMoE()
     calls = calls_of(model)

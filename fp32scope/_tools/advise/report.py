@@ -142,8 +142,10 @@ class Fp32Advice:
         calibration = self.batch_errors.get("calibration", ())
         lines += [
             "",
-            f"fast ({fast}) error: {self.fast_error:.3g}; tolerance {self.tolerance:.3g}, searched for "
-            f"{target:.3g} (margin {self.margin:g}); noise (two full float32 runs) {self.noise:.3g}",
+            (
+                f"fast ({fast}) error: {self.fast_error:.3g}; tolerance {self.tolerance:.3g}, searched for "
+                f"{target:.3g} (margin {self.margin:g}); noise (two full float32 runs) {self.noise:.3g}"
+            ),
             (
                 f"advised error: {self.error:.3g} on {len(calibration) or 'the'} calibration batch(es)"
                 + ("" if self.error <= target else " (within the tolerance, not its margin)")
