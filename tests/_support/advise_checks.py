@@ -150,5 +150,3 @@ def calls_of(model: torch.nn.Module) -> list[int]:
     calls: list[int] = []
     model.register_forward_pre_hook(lambda *_: calls.append(1))
     return calls
-
-

@@ -212,6 +212,8 @@ class Nested(torch.nn.Module):
 class BatchNormNet(torch.nn.Module):
     """A near-tie router model with BatchNorm in front: train mode moves its running statistics."""
 
+    seen: torch.Tensor
+
     def __init__(self) -> None:
         super().__init__()
         self.norm = torch.nn.BatchNorm1d(WIDTH)
@@ -220,7 +222,7 @@ class BatchNormNet(torch.nn.Module):
         self.register_buffer("seen", torch.zeros(()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen += 1
+        self.seen.add_(1)
         out: torch.Tensor = self.moe(self.norm(x))
         return out
 
@@ -228,13 +230,15 @@ class BatchNormNet(torch.nn.Module):
 class Stateful(torch.nn.Module):
     """Its output depends on a buffer it increments each call: repeatable only if the buffer is put back."""
 
+    calls: torch.Tensor
+
     def __init__(self) -> None:
         super().__init__()
         self.moe = NearTieMoE()
         self.register_buffer("calls", torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
+        self.calls.add_(1)
         out: torch.Tensor = self.moe(x) * self.calls
         return out
 
@@ -247,8 +251,9 @@ class WritesItsWeight(torch.nn.Module):
         self.moe = NearTieMoE()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.moe.router.weight  # any parameter: this one matters most
         with torch.no_grad():
-            self.moe.experts[0].bias.add_(1.0)
+            bias.add_(1e-3)
         out: torch.Tensor = self.moe(x)
         return out
 

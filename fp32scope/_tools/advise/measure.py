@@ -320,7 +320,7 @@ class _Census(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's cl
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        node = torch._C._current_autograd_node()  # None in the forward
+        node: Any = torch._C._current_autograd_node()  # None in the forward
         if node is None and name in _MATMUL_LIKE:
             key = self.stack[-1]
             self.ops[key] = self.ops.get(key, 0) + 1

@@ -260,11 +260,22 @@ class Fp32Advice:
 
         Needs matplotlib: ``pip install fp32scope[plot]``.
         """
+        fig = self._figure()
+        try:
+            fig.savefig(path, bbox_inches="tight", dpi=110)  # "tight": the figure grows to hold every label
+        finally:
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
+
+    def _figure(self) -> Any:
+        """The chart as a matplotlib figure (the caller closes it)."""
         try:
             import matplotlib as mpl
 
             mpl.use("Agg", force=False)
             import matplotlib.pyplot as plt
+            from matplotlib.patches import Patch
         except ImportError as error:
             msg = "Fp32Advice.plot needs matplotlib: pip install fp32scope[plot]"
             raise ImportError(msg) from error
@@ -274,60 +285,54 @@ class Fp32Advice:
         low = min(positive) / 10
         high = max([*positive, self.fast_error if math.isfinite(self.fast_error) else 0]) * 10
         longest = max(len(label) for _, label in rows)
-        height = 1.2 + 0.28 * len(rows)
         fig, (left, right) = plt.subplots(
             1,
             2,
             sharey=True,
-            figsize=(6.5 + 0.065 * longest, height),
+            figsize=(6.5 + 0.065 * longest, 1.2 + 0.28 * len(rows)),
             gridspec_kw={"width_ratios": [3, 1.2]},
         )
-        try:
-            ys = list(range(len(rows)))
-            for y, (node, _label) in zip(ys, rows, strict=True):
-                if node is None:
-                    continue
-                kept = "tab:red" if node.kept else "tab:orange" if self._inside(node.name) else "tab:blue"
-                if math.isnan(node.sensitivity):
-                    left.barh(y, high - low, left=low, color="none", edgecolor="grey", hatch="//", linewidth=0.6)
-                    left.text(math.sqrt(low * high), y, "not measured", va="center", ha="center", fontsize=7)
-                else:
-                    value = high if math.isinf(node.sensitivity) else max(node.sensitivity, low)
-                    left.barh(y, value - low, left=low, color=kept)
-                    if node.sensitivity == 0:
-                        left.text(low, y, " 0", va="center", ha="left", fontsize=7)
-                right.barh(y, node.flop_share * 100, color=kept)
-            left.set_xscale("log")
-            left.set_xlim(low, high)
-            left.axvline(self.tolerance, color="black", linestyle="--", linewidth=1, label="tolerance")
-            if self.margin != 1:
-                target = self.tolerance / self.margin
-                left.axvline(target, color="black", linestyle=":", linewidth=1, label="tolerance / margin")
-            left.set_yticks(ys)
-            left.set_yticklabels([label for _, label in rows], fontsize=7)
-            left.invert_yaxis()
-            left.set_xlabel("error with only this node fast", fontsize=8)
-            right.set_xlabel("share of FLOPs (%)", fontsize=8)
-            from matplotlib.patches import Patch
-
-            handles = [
-                *left.get_legend_handles_labels()[0],
-                Patch(color="tab:red", label="kept"),
-                Patch(color="tab:orange", label="kept (inside a kept node)"),
-                Patch(color="tab:blue", label="fast"),
-                Patch(facecolor="none", edgecolor="grey", hatch="//", label="not measured"),
-            ]
-            left.legend(handles=handles, fontsize=7, loc="lower right")
-            held = "" if self.held_out_error is None else f", held-out {self.held_out_error:.2g}"
-            fig.suptitle(
-                f"fast error {self.fast_error:.2g}; advised {self.error:.2g}{held} with {len(self.policy)} kept "
-                f"({self.kept_flop_share:.0%} of FLOPs); tolerance {self.tolerance:.2g}, "
-                f"{'met' if self.met else 'NOT met'}",
-                fontsize=9,
-            )
-            fig.savefig(path, bbox_inches="tight", dpi=110)
-        finally:
-            plt.close(fig)
+        ys = list(range(len(rows)))
+        for y, (node, _label) in zip(ys, rows, strict=True):
+            if node is None:
+                continue
+            color = "tab:red" if node.kept else "tab:orange" if self._inside(node.name) else "tab:blue"
+            if math.isnan(node.sensitivity):
+                left.barh(y, high - low, left=low, color="none", edgecolor="grey", hatch="//", linewidth=0.6)
+                left.text(math.sqrt(low * high), y, "not measured", va="center", ha="center", fontsize=7)
+            else:
+                value = high if math.isinf(node.sensitivity) else max(node.sensitivity, low)
+                left.barh(y, value - low, left=low, color=color)
+                if node.sensitivity == 0:
+                    left.text(low, y, " 0", va="center", ha="left", fontsize=7)
+            right.barh(y, node.flop_share * 100, color=color)
+        left.set_xscale("log")
+        left.set_xlim(low, high)
+        left.axvline(self.tolerance, color="black", linestyle="--", linewidth=1, label="tolerance")
+        if self.margin != 1:
+            target = self.tolerance / self.margin
+            left.axvline(target, color="black", linestyle=":", linewidth=1, label="tolerance / margin")
+        left.set_yticks(ys)
+        left.set_yticklabels([label for _, label in rows], fontsize=7)
+        left.invert_yaxis()
+        left.set_xlabel("error with only this node fast", fontsize=8)
+        right.set_xlabel("share of FLOPs (%)", fontsize=8)
+        handles = [
+            *left.get_legend_handles_labels()[0],
+            Patch(color="tab:red", label="kept"),
+            Patch(color="tab:orange", label="kept (inside a kept node)"),
+            Patch(color="tab:blue", label="fast"),
+            Patch(facecolor="none", edgecolor="grey", hatch="//", label="not measured"),
+        ]
+        left.legend(handles=handles, fontsize=7, loc="lower right")
+        held = "" if self.held_out_error is None else f", held-out {self.held_out_error:.2g}"
+        fig.suptitle(
+            f"fast error {self.fast_error:.2g}; advised {self.error:.2g}{held} with {len(self.policy)} kept "
+            f"({self.kept_flop_share:.0%} of FLOPs); tolerance {self.tolerance:.2g}, "
+            f"{'met' if self.met else 'NOT met'}",
+            fontsize=9,
+        )
+        return fig
 
 
 def _chart_rows(advice: Fp32Advice) -> list[tuple[Fp32AdviceNode | None, str]]:
