@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -18,7 +21,7 @@ import fp32scope
 from fp32scope import Fp32Precision, unscope_modules
 from tests._support import advise_models as models
 from tests._support.advise_checks import assert_meets_and_is_minimal, measured
-from tests._support.common import FULL
+from tests._support.common import FULL, ROOT
 
 KEPT = {"matmul": "highest", "cudnn_allow_tf32": False}
 BF16 = torch.bfloat16
@@ -184,3 +187,42 @@ def test_not_met_when_the_error_comes_from_outside_every_candidate() -> None:
     assert "outside every candidate" in advice.reason
     assert "NOT met" in advice.table()
     assert advice.reason in advice.table()
+
+
+# -- the cost of the search -----------------------------------------------------------------
+
+BOUNDED = {
+    "router": (models.NearTieMoE, models.near_tie_batch, models.ROUTER_TOLERANCE / 4),
+    "block": (models.Block, models.block_batch, 1e-3),
+    "nested": (models.Nested, models.near_tie_batch, 1e-2),
+    "two layers": (models.TwoLayer, models.two_layer_batch, 1e-6),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDED))
+def test_the_search_stays_near_one_run_per_candidate(name: str) -> None:
+    build, batch, tolerance = BOUNDED[name]
+    model = build()
+    assert measured(model, [batch()], {}, fast=fp32scope.current_fp32_precision(), dtype=BF16) > tolerance  # control
+    advice = fp32scope.advise(model, batch(), autocast=BF16, tolerance=tolerance)
+    candidates, kept = len(advice.nodes), len(advice.policy)
+    assert kept > 0  # the control: a search happened
+    assert advice.runs <= candidates + 2 * kept + math.log2(candidates) + 4
+
+
+def test_the_benchmark_prints_runs_and_seconds_within_the_bound() -> None:
+    pytest.importorskip("transformers")
+    done = subprocess.run(  # noqa: S603  (this interpreter, the repository's own script)
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_advise.py"),
+            *("--layers", "1", "--width", "32", "--heads", "2", "--vocabulary", "64", "--length", "16"),
+            *("--batches", "1", "--held-out", "1"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr  # 1: more runs than the bound
+    assert re.search(r"^runs \d+ \(bound [\d.]+\), seconds [\d.]+", done.stdout, re.MULTILINE), done.stdout

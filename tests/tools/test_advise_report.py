@@ -148,7 +148,7 @@ def test_the_chart_draws_not_measured_apart_from_zero_and_kept_through_a_parent_
         )
         assert inside != fast  # a node inside a kept one is not drawn as a fast one ...
         assert inside[:3] != kept[:3]  # ... nor as a node of the policy: its own color, in the legend
-        assert "kept (inside a kept node)" in [t.get_text() for t in left.get_legend().get_texts()]
+        assert "kept (inside a kept node)" in [t.get_text() for t in fig.legends[0].get_texts()]
         unmeasured = bars["unmeasured (Linear)"]
         assert unmeasured.get_hatch() == "//"
         assert unmeasured.get_facecolor()[3] == 0.0  # hollow: not a value

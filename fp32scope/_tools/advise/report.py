@@ -255,8 +255,9 @@ class Fp32Advice:
         and the searched ``tolerance / margin`` as lines) and beside it its FLOP share. Kept
         nodes are red, nodes kept through a kept parent orange, the others blue; a node
         never measured (nan) is a grey hatched bar marked "not measured", apart from any
-        measured value. Past 40 nodes, the 40 most sensitive (kept ones always) are drawn,
-        and one last line sums up the rest. Labels are never cut: the figure grows to fit.
+        measured value. Past 40 nodes, 40 are drawn (the kept ones first, then the most
+        sensitive) and one last line sums up the rest: how many, how many of them kept, their
+        largest sensitivity and their FLOPs. Labels are never cut: the figure grows to fit.
 
         Needs matplotlib: ``pip install fp32scope[plot]``.
         """
@@ -289,8 +290,9 @@ class Fp32Advice:
             1,
             2,
             sharey=True,
-            figsize=(6.5 + 0.065 * longest, 1.2 + 0.28 * len(rows)),
+            figsize=(6.5 + 0.065 * longest, 2.2 + 0.24 * len(rows)),
             gridspec_kw={"width_ratios": [3, 1.2]},
+            layout="constrained",  # room for every label and the legend below
         )
         ys = list(range(len(rows)))
         for y, (node, _label) in zip(ys, rows, strict=True):
@@ -324,7 +326,7 @@ class Fp32Advice:
             Patch(color="tab:blue", label="fast"),
             Patch(facecolor="none", edgecolor="grey", hatch="//", label="not measured"),
         ]
-        left.legend(handles=handles, fontsize=7, loc="lower right")
+        fig.legend(handles=handles, fontsize=7, loc="outside lower center", ncol=3)
         held = "" if self.held_out_error is None else f", held-out {self.held_out_error:.2g}"
         fig.suptitle(
             f"fast error {self.fast_error:.2g}; advised {self.error:.2g}{held} with {len(self.policy)} kept "
@@ -339,7 +341,11 @@ def _chart_rows(advice: Fp32Advice) -> list[tuple[Fp32AdviceNode | None, str]]:
     """The chart's lines, most sensitive first: (node, label), and (None, summary) for the rest."""
     ranked = sorted(
         advice.nodes,
-        key=lambda n: (not n.kept, -(n.sensitivity if not math.isnan(n.sensitivity) else -1.0), -n.flop_share),
+        key=lambda n: (
+            not (n.kept or advice._inside(n.name)),  # kept ones first, those kept through a parent too
+            -(n.sensitivity if not math.isnan(n.sensitivity) else -1.0),
+            -n.flop_share,
+        ),
     )
     shown = ranked[:CHART_ROWS]
     rows: list[tuple[Fp32AdviceNode | None, str]] = [(n, f"{n.name} ({n.type})") for n in shown]
@@ -348,7 +354,9 @@ def _chart_rows(advice: Fp32Advice) -> list[tuple[Fp32AdviceNode | None, str]]:
         finite = [n.sensitivity for n in rest if math.isfinite(n.sensitivity)]
         top = f", each at most {max(finite):.2g}" if finite else ""
         share = sum(n.flop_share for n in rest)
-        rows.append((None, f"... {len(rest)} more nodes{top}, {share:.0%} of FLOPs together"))
+        kept = sum(1 for n in rest if n.kept or advice._inside(n.name))
+        also = f" ({kept} of them kept)" if kept else ""
+        rows.append((None, f"... {len(rest)} more nodes{also}{top}, {share:.0%} of FLOPs together"))
     return rows
 
 
