@@ -140,11 +140,17 @@ class Fp32Advice:
         )
         target = self.tolerance / self.margin
         calibration = self.batch_errors.get("calibration", ())
+        held = self.batch_errors.get("held_out", ())
         lines += [
             "",
+            f"fast ({fast}) error: {self.fast_error:.3g}",
             (
-                f"fast ({fast}) error: {self.fast_error:.3g}; tolerance {self.tolerance:.3g}, searched for "
-                f"{target:.3g} (margin {self.margin:g}); noise (two full float32 runs) {self.noise:.3g}"
+                f"tolerance {self.tolerance:.3g}, searched for {target:.3g} (margin {self.margin:g}); "
+                f"noise (two full float32 runs) {self.noise:.3g}"
+            ),
+            (
+                f"advised: {len(self.policy)} node(s) in full float32 ({self.kept_flop_share:.1%} of FLOPs, "
+                f"{self.kept_parameter_share:.1%} of parameters)"
             ),
             (
                 f"advised error: {self.error:.3g} on {len(calibration) or 'the'} calibration batch(es)"
@@ -152,11 +158,9 @@ class Fp32Advice:
                 + (
                     ""
                     if self.held_out_error is None
-                    else f", {self.held_out_error:.3g} on {len(self.batch_errors['held_out'])} held-out batch(es)"
+                    else f", {self.held_out_error:.3g} on {len(held)} held-out batch(es)"
                 )
-                + f" with {len(self.policy)} node(s) in full float32 "
-                f"({self.kept_flop_share:.1%} of FLOPs, {self.kept_parameter_share:.1%} of parameters); "
-                f"{'met' if self.met else 'NOT met'} ({self.runs} runs, {self.seconds:.1f} s)"
+                + f"; {'met' if self.met else 'NOT met'} ({self.runs} runs, {self.seconds:.1f} s)"
             ),
         ]
         for part in ("calibration", "held_out"):
