@@ -5,8 +5,8 @@ bf16 rounding flips which expert a token goes to; the experts are fine in bf16.
 ``fp32scope.advise`` measures this on two batches, proposes a policy that meets the
 tolerance with a margin (1.5) there, and measures it on three held-out batches it never
 searched on; the script saves the whole advice as JSON, loads its policy into
-``scope_modules``, checks it on another batch itself, and shows with ``trace()`` that the
-router runs in full float32.
+``scope_modules``, checks it on another batch itself, and shows with ``trace()``
+that the router runs in full float32.
 ``python examples/advise_moe.py PNG`` also saves the sensitivity chart (matplotlib:
 ``pip install fp32scope[plot]``).
 """

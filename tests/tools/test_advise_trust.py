@@ -45,7 +45,7 @@ def test_a_held_out_miss_is_not_met_and_the_reason_names_the_batch() -> None:
     table = advice.table()
     assert f"{advice.held_out_error:.3g} on 3 held-out batch(es)" in table
     assert "NOT met" in table
-    assert "held-out errors per batch: " in table
+    assert "errors per held-out batch: " in table
 
 
 def test_a_policy_that_holds_on_held_out_batches_is_met() -> None:

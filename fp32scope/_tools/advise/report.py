@@ -167,7 +167,7 @@ class Fp32Advice:
             errors = self.batch_errors.get(part, ())
             if len(errors) > 1:
                 shown = ", ".join(f"{e:.3g}" for e in errors[:12]) + (", ..." if len(errors) > 12 else "")
-                lines.append(f"{part.replace('_', '-')} errors per batch: {shown}")
+                lines.append(f"errors per {part.replace('_', '-')} batch: {shown}")
         if self.reason is not None:
             lines.append(f"why: {self.reason}")
         return "\n".join(lines)
