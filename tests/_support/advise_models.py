@@ -334,3 +334,46 @@ def meta_model() -> torch.nn.Module:
 def failing_loss(output: torch.Tensor) -> torch.Tensor:
     msg = "the loss fails"
     raise ValueError(msg)
+
+
+class _Probe(torch.autograd.Function):
+    """The identity, noting the matmul precision its forward and its backward run at."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, log: list[tuple[str, str, str]], name: str) -> torch.Tensor:
+        ctx.log, ctx.name = log, name
+        log.append((name, "forward", torch.get_float32_matmul_precision()))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.log.append((ctx.name, "backward", torch.get_float32_matmul_precision()))
+        return grad, None, None
+
+
+class ProbedLinear(torch.nn.Module):
+    """A Linear whose own work notes the precision of its forward and of its backward."""
+
+    def __init__(self, name: str, log: list[tuple[str, str, str]]) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.name, self.log = name, log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _Probe.apply(self.linear(x), self.log, self.name)
+        return out
+
+
+class Probed(torch.nn.Module):
+    """Two probed nodes in a row; ``log`` holds what they noted, a ``("run", ...)`` entry at each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, str, str]] = []
+        self.first = ProbedLinear("first", self.log)
+        self.second = ProbedLinear("second", self.log)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(("run", "", ""))
+        out: torch.Tensor = self.second(torch.tanh(self.first(x)))
+        return out

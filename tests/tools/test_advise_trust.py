@@ -158,3 +158,32 @@ def test_the_noise_is_reported_when_the_tolerance_is_far_above_it() -> None:
     assert 0 < advice.noise < 1.0
     assert math.isfinite(advice.noise)
     assert f"noise (two full float32 runs) {advice.noise:.3g}" in advice.table()
+
+
+def test_with_a_loss_each_node_s_backward_runs_at_its_node_s_setting_in_the_sensitivity_runs() -> None:
+    model = models.Probed()
+    fp32scope.advise(
+        model,
+        models.near_tie_batch(),
+        fast="high",
+        autocast=BF16,
+        tolerance=1e-9,  # below the fast error: the sensitivities are measured
+        margin=1.0,
+        loss=models.mean_square,
+        candidates=["first", "second"],  # each a node whose own work includes its probe
+    )
+    runs: list[list[tuple[str, str, str]]] = []
+    for entry in model.log:
+        if entry[0] == "run":
+            runs.append([])
+        else:
+            runs[-1].append(entry)
+    # The reference twice (full float32), every node fast, then one run per node with it alone fast.
+    assert {p for run in runs[:2] for _, _, p in run} == {"highest"}
+    assert {p for _, _, p in runs[2]} == {"high"}
+    for run, fast_one in zip(runs[3:5], ["first", "second"], strict=True):
+        assert sorted(run) == sorted(
+            (name, phase, "high" if name == fast_one else "highest")
+            for name in ("first", "second")
+            for phase in ("forward", "backward")
+        ), run
