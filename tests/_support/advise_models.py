@@ -243,6 +243,23 @@ class Stateful(torch.nn.Module):
         return out
 
 
+class Reassigns(torch.nn.Module):
+    """Its forward assigns a new tensor to a buffer (and adds a buffer): advise must put the old one back."""
+
+    calls: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = NearTieMoE()
+        self.register_buffer("calls", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        self.register_buffer("added", self.calls.clone())
+        out: torch.Tensor = self.moe(x) * self.calls[0]
+        return out
+
+
 class WritesItsWeight(torch.nn.Module):
     """Its forward writes one of its parameters (as some normalisations do): advise must put it back."""
 

@@ -182,6 +182,15 @@ def test_a_buffer_the_forward_writes_is_put_back_after_every_run() -> None:
     snapshot.assert_unchanged()
 
 
+def test_a_buffer_the_forward_replaces_is_put_back_after_every_run() -> None:
+    model = models.Reassigns()
+    snapshot = Snapshot(model)
+    advice = fp32scope.advise(model, models.near_tie_batch(), autocast=BF16, tolerance=models.ROUTER_TOLERANCE)
+    assert advice.noise == 0.0
+    assert not hasattr(model, "added")
+    snapshot.assert_unchanged()
+
+
 def test_a_parameter_the_forward_writes_is_put_back_after_every_run() -> None:
     model = models.WritesItsWeight()
     snapshot = Snapshot(model)

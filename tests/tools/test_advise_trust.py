@@ -187,3 +187,15 @@ def test_with_a_loss_each_node_s_backward_runs_at_its_node_s_setting_in_the_sens
             for name in ("first", "second")
             for phase in ("forward", "backward")
         ), run
+
+
+def test_met_within_the_tolerance_but_not_its_margin_says_so() -> None:
+    # OwnWork's root multiplies in its own forward: no policy can remove that error.
+    model, batch = models.OwnWork(), models.near_tie_batch()
+    floor = measured(model, [batch], {"head": KEPT}, fast=fast(), dtype=BF16)
+    assert floor > 0  # the control: the error every policy leaves
+    advice = fp32scope.advise(model, batch, autocast=BF16, tolerance=1.2 * floor, margin=2)
+    assert advice.met  # every batch within the tolerance ...
+    assert advice.reason is None
+    assert advice.error > advice.tolerance / advice.margin  # ... but not within its margin, and the table says so
+    assert "(within the tolerance, not its margin)" in advice.table()

@@ -385,12 +385,11 @@ class _State:
         for module, mode in zip(self.modules, self.training, strict=True):
             module.training = mode
         for module, parameters, buffers in self.slots:
-            if module._parameters != parameters:
-                module._parameters.clear()
-                module._parameters.update(parameters)
-            if module._buffers != buffers:
-                module._buffers.clear()
-                module._buffers.update(buffers)
+            for now, saved in ((module._parameters, parameters), (module._buffers, buffers)):
+                # By identity: a tensor's == compares values.
+                if now.keys() != saved.keys() or any(now[k] is not v for k, v in saved.items()):
+                    now.clear()
+                    now.update(saved)
         with torch.no_grad():
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)
