@@ -244,18 +244,20 @@ class Stateful(torch.nn.Module):
 
 
 class Reassigns(torch.nn.Module):
-    """Its forward assigns a new tensor to a buffer (and adds a buffer): advise must put the old one back."""
+    """Its forward assigns a new tensor to a buffer (``adds``: registers one more); advise puts back its own."""
 
     calls: torch.Tensor
 
-    def __init__(self) -> None:
+    def __init__(self, *, adds: bool = False) -> None:
         super().__init__()
         self.moe = NearTieMoE()
+        self.adds = adds
         self.register_buffer("calls", torch.zeros(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls = self.calls + 1
-        self.register_buffer("added", self.calls.clone())
+        if self.adds:
+            self.register_buffer("added", self.calls.clone())
         out: torch.Tensor = self.moe(x) * self.calls[0]
         return out
 

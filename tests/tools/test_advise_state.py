@@ -182,8 +182,9 @@ def test_a_buffer_the_forward_writes_is_put_back_after_every_run() -> None:
     snapshot.assert_unchanged()
 
 
-def test_a_buffer_the_forward_replaces_is_put_back_after_every_run() -> None:
-    model = models.Reassigns()
+@pytest.mark.parametrize("adds", [False, True], ids=["replaces", "replaces and adds"])
+def test_a_buffer_the_forward_replaces_is_put_back_after_every_run(adds: bool) -> None:
+    model = models.Reassigns(adds=adds)
     snapshot = Snapshot(model)
     advice = fp32scope.advise(model, models.near_tie_batch(), autocast=BF16, tolerance=models.ROUTER_TOLERANCE)
     assert advice.noise == 0.0
