@@ -379,7 +379,7 @@ class ProbedLinear(torch.nn.Module):
         self.name, self.log = name, log
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = _Probe.apply(self.linear(x), self.log, self.name)
+        out: torch.Tensor = _Probe.apply(self.linear(x), self.log, self.name)  # type: ignore[no-untyped-call]
         return out
 
 

@@ -385,11 +385,15 @@ class _State:
         for module, mode in zip(self.modules, self.training, strict=True):
             module.training = mode
         for module, parameters, buffers in self.slots:
-            for now, saved in ((module._parameters, parameters), (module._buffers, buffers)):
+            slots: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = (
+                (module._parameters, parameters),
+                (module._buffers, buffers),
+            )
+            for live, found in slots:
                 # By identity: a tensor's == compares values.
-                if now.keys() != saved.keys() or any(now[k] is not v for k, v in saved.items()):
-                    now.clear()
-                    now.update(saved)
+                if live.keys() != found.keys() or any(live[k] is not v for k, v in found.items()):
+                    live.clear()
+                    live.update(found)
         with torch.no_grad():
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)
