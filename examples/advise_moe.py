@@ -2,9 +2,11 @@
 
 The model's router scores nearly tie (its rows are one row plus a little noise), so
 bf16 rounding flips which expert a token goes to; the experts are fine in bf16.
-``fp32scope.advise`` measures this on two batches and proposes a policy; the script
-saves it as JSON, loads it into ``scope_modules``, checks it on a held-out batch, and
-shows with ``trace()`` that the router runs in full float32.
+``fp32scope.advise`` measures this on two batches, proposes a policy that meets the
+tolerance with a margin (1.5) there, and measures it on three held-out batches it never
+searched on; the script saves the whole advice as JSON, loads its policy into
+``scope_modules``, checks it on another batch itself, and shows with ``trace()``
+that the router runs in full float32.
 ``python examples/advise_moe.py PNG`` also saves the sensitivity chart (matplotlib:
 ``pip install fp32scope[plot]``).
 """
@@ -62,8 +64,10 @@ def main() -> None:
     advice = fp32scope.advise(
         model,
         [batch(1), batch(2)],
+        held_out=[batch(3), batch(4), batch(5)],
         autocast=torch.bfloat16,
         tolerance=2e-2,
+        margin=1.5,
     )
     print(advice.table())
     print("policy:", advice.policy)
@@ -72,10 +76,10 @@ def main() -> None:
         print("chart:", sys.argv[1])
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "policy.json"
-        path.write_text(json.dumps(advice.policy, indent=2))
-        policy = json.loads(path.read_text())
-    held_out = batch(3)
+        path = Path(tmp) / "advice.json"
+        path.write_text(advice.to_json())
+        policy = json.loads(path.read_text())["policy"]
+    held_out = batch(6)
     print(f"held-out error, no policy: {relative_error(model, held_out):.3g}")
     scoped = fp32scope.scope_modules(model, policy, autocast=False)
     print("scoped:", scoped)

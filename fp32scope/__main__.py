@@ -28,9 +28,9 @@ def _version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fp32scope._tools import advise as _advise
     from fp32scope._tools import demo as _demo
     from fp32scope._tools import doctor as _doctor
+    from fp32scope._tools.advise import cli as _advise
 
     parser = argparse.ArgumentParser(
         prog="python -m fp32scope",

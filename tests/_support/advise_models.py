@@ -204,3 +204,195 @@ class Nested(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.outer(x)
         return out
+
+
+# -- models for what advise must leave as found, and for its figures ---------------------------
+
+
+class BatchNormNet(torch.nn.Module):
+    """A near-tie router model with BatchNorm in front: train mode moves its running statistics."""
+
+    seen: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(WIDTH)
+        self.moe = NearTieMoE()
+        # Not in the state_dict: advise must put back every buffer, not only the persistent ones.
+        self.register_buffer("seen", torch.zeros(()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(1)
+        out: torch.Tensor = self.moe(self.norm(x))
+        return out
+
+
+class Stateful(torch.nn.Module):
+    """Its output depends on a buffer it increments each call: repeatable only if the buffer is put back."""
+
+    calls: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = NearTieMoE()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        out: torch.Tensor = self.moe(x) * self.calls
+        return out
+
+
+class Reassigns(torch.nn.Module):
+    """Its forward assigns a new tensor to a buffer (``adds``: registers one more); advise puts back its own."""
+
+    calls: torch.Tensor
+
+    def __init__(self, *, adds: bool = False) -> None:
+        super().__init__()
+        self.moe = NearTieMoE()
+        self.adds = adds
+        self.register_buffer("calls", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        if self.adds:
+            self.register_buffer("added", self.calls.clone())
+        out: torch.Tensor = self.moe(x) * self.calls[0]
+        return out
+
+
+class WritesItsWeight(torch.nn.Module):
+    """Its forward writes one of its parameters (as some normalisations do): advise must put it back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = NearTieMoE()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.moe.router.weight  # any parameter: this one matters most
+        with torch.no_grad():
+            bias.add_(1e-3)
+        out: torch.Tensor = self.moe(x)
+        return out
+
+
+class TwoLayer(torch.nn.Module):
+    """64 -> 64 then 64 -> 256: with a loss, the first does 1/7 of the work (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(64, 64, bias=False)
+        self.second = torch.nn.Linear(64, 256, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.second(torch.relu(self.first(x)))
+        return out
+
+
+def two_layer_batch() -> torch.Tensor:
+    return torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+
+
+def mean_square(output: torch.Tensor) -> torch.Tensor:
+    return output.float().square().mean()
+
+
+def quiet_batch() -> torch.Tensor:
+    """A batch of zeros: the router's logits are all 0 (no flip), only the biases reach the output."""
+    return torch.zeros(64, WIDTH)
+
+
+def held_out_batches() -> list[Any]:
+    return [torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(seed)) for seed in (3, 4, 5)]
+
+
+STEPS = 6
+
+
+def sample(model: torch.nn.Module, x: torch.Tensor, steps: int = STEPS) -> torch.Tensor:
+    """A sampling loop: each step feeds the model's output back in (error grows over the steps)."""
+    for _ in range(steps):
+        x = x + 0.1 * model(x)
+    return x
+
+
+#: The models the factories below built, for tests that check a command refused before building.
+BUILT: list[str] = []
+
+
+def counted_model() -> torch.nn.Module:
+    BUILT.append("counted_model")
+    return NearTieMoE()
+
+
+class Raises(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        msg = "the model's forward fails"
+        raise RuntimeError(msg)
+
+
+def scoped_model() -> torch.nn.Module:
+    import fp32scope
+
+    model = NearTieMoE()
+    fp32scope.scope_modules(model, {"router": "highest"})
+    return model
+
+
+def meta_model() -> torch.nn.Module:
+    with torch.device("meta"):
+        return NearTieMoE()
+
+
+def failing_loss(output: torch.Tensor) -> torch.Tensor:
+    msg = "the loss fails"
+    raise ValueError(msg)
+
+
+class _Probe(torch.autograd.Function):
+    """The identity, noting the matmul precision its forward and its backward run at."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, log: list[tuple[str, str, str]], name: str) -> torch.Tensor:
+        ctx.log, ctx.name = log, name
+        log.append((name, "forward", torch.get_float32_matmul_precision()))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        ctx.log.append((ctx.name, "backward", torch.get_float32_matmul_precision()))
+        return grad, None, None
+
+
+class ProbedLinear(torch.nn.Module):
+    """A Linear whose own work notes the precision of its forward and of its backward."""
+
+    def __init__(self, name: str, log: list[tuple[str, str, str]]) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.name, self.log = name, log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _Probe.apply(self.linear(x), self.log, self.name)  # type: ignore[no-untyped-call]
+        return out
+
+
+class Probed(torch.nn.Module):
+    """Two probed nodes in a row; ``log`` holds what they noted, a ``("run", ...)`` entry at each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, str, str]] = []
+        self.first = ProbedLinear("first", self.log)
+        self.second = ProbedLinear("second", self.log)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(("run", "", ""))
+        out: torch.Tensor = self.second(torch.tanh(self.first(x)))
+        return out
