@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from diffusers import FluxTransformer2DModel
 from torch._dynamo.utils import counters
+from torch._subclasses.fake_tensor import is_fake
 
 from fp32scope import Fp32Precision, current_fp32_precision, scope_modules, set_process_default
 
@@ -36,8 +37,8 @@ CONFIG = {
 }
 
 
-def _show(*_: object) -> None:
-    if not torch.compiler.is_compiling():  # not the runs on fake tensors while tracing
+def _show(_module: object, _args: object, output: torch.Tensor) -> None:
+    if not is_fake(output):  # not the runs on fake tensors while the graph is traced
         print(f"  time_text_embed ran with {current_fp32_precision()}")
 
 

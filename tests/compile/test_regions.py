@@ -32,6 +32,7 @@ from fp32scope import (
 from tests._support import probe as _probe
 from tests._support.common import DEFAULT, FULL, BoomError
 from tests._support.compiled import forbid_recompiles
+from tests._support.hf import tiny_gpt2
 from tests._support.probe import phases, probe
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
@@ -487,10 +488,9 @@ def test_in_graph_is_checked_and_kept_by_copies_and_pickles() -> None:
 
 
 def test_a_hugging_face_gpt2_compiled_whole_with_regions_trains_as_its_eager_scoped_twin() -> None:
-    from tests.wrappers.test_policy import _gpt2
 
     set_process_default(DEFAULT)
-    eager = _gpt2().train()
+    eager = tiny_gpt2().train()
     for module in eager.modules():  # the same steps in both: no random numbers drawn
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -27,7 +26,7 @@ from fp32scope._flags.precision import MATMUL_PRECISIONS
 from fp32scope._wrappers.policy import _walk
 from tests._support.common import DEFAULT, FULL
 from tests._support.compiled import WIDTH, Recording, check_dynamo_never_failed_in_the_package, run
-from tests._support.releases import TORCH_RELEASE
+from tests._support.hf import tiny_gpt2 as _gpt2
 
 HIGHEST = Fp32Precision("highest")
 SEEN: list[tuple[str, str]] = []
@@ -555,23 +554,6 @@ def test_a_parent_calling_a_scoped_childs_forward_runs_it_in_scope() -> None:
 
 
 # -- Hugging Face --------------------------------------------------------------------------------
-
-
-def _gpt2() -> Any:
-    """A tiny GPT-2 with random weights (no download), or a skip that says why there is none."""
-    if importlib.util.find_spec("transformers") is None:
-        pytest.skip("transformers is not installed (the test extra installs it: pip install -e .[test])")
-    try:
-        transformers = importlib.import_module("transformers")
-        config_class, model_class = transformers.GPT2Config, transformers.GPT2LMHeadModel
-    except Exception as error:  # transformers 5.x imports its models only with torch >= 2.6
-        reason = f"transformers' GPT-2 does not import with torch {TORCH_RELEASE} (transformers 5 needs torch >= 2.6)"
-        pytest.skip(f"{reason}: {error}")
-    if not transformers.is_torch_available():  # transformers 5.x disables its models for torch < 2.6
-        pytest.skip(f"transformers {transformers.__version__} does not run its models on torch {TORCH_RELEASE}")
-    config = config_class(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    return model_class(config).eval()
 
 
 HF_POLICY = {"lm_head": "highest", r"re:transformer\.h\.\d+\.attn": {"matmul": "highest", "cudnn_allow_tf32": False}}
