@@ -11,7 +11,7 @@ It prints the candidates, the kept nodes, the runs advise made, the bound issue 
 for one batch (candidates + 2 x kept + log2(candidates) + 4, times the calibration
 batches, plus three runs per held-out batch: its reference twice and the policy), and the
 seconds. ``--plot FILE.png`` saves the chart, ``--report FILE.json`` the whole advice. It
-exits 1 when the runs exceed the bound.
+exits 1 when the runs exceed the bound, 2 where transformers cannot run its models here.
 Smaller sizes (``--layers 1 --width 32``) run in seconds: the test suite runs it so.
 """
 
@@ -31,6 +31,13 @@ import fp32scope
 def build(layers: int, width: int, heads: int, vocabulary: int, length: int) -> torch.nn.Module:
     """GPT-2 of this size from its config: nothing downloaded, weights drawn at random (seed 0)."""
     transformers = importlib.import_module("transformers")  # the test extra installs it
+    if not transformers.is_torch_available():  # transformers 5 disables its models below torch 2.6
+        print(
+            f"bench_advise: transformers {transformers.__version__} does not run its models"
+            f" on torch {torch.__version__}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(
