@@ -13,6 +13,7 @@ Adding a release or raising the floor should touch this module and the release t
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -36,6 +37,7 @@ __all__ = [
     "active_callback",
     "aoti_packaging_missing",
     "cpu_capability",
+    "dtensor_type",
     "fsdp2_param_dtype",
     "is_dynamo_compiling",
     "is_exporting",
@@ -228,6 +230,22 @@ def fsdp2_param_dtype(module: object) -> torch.dtype | None:
         return None
     dtype = getattr(getattr(state, "_mp_policy", None), "param_dtype", None)
     return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def dtensor_type() -> type | None:
+    """The ``DTensor`` class, or None in a torch built without distributed.
+
+    Public as ``torch.distributed.tensor`` from 2.5, ``torch.distributed._tensor`` in 2.4.
+    Imported when asked (importing it loads torch.distributed's tensor package).
+    """
+    for home in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        try:
+            found = getattr(importlib.import_module(home), "DTensor", None)
+        except ImportError:
+            continue
+        if isinstance(found, type):
+            return found
+    return None
 
 
 # -- other -------------------------------------------------------------------------------

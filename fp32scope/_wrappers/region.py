@@ -52,7 +52,7 @@ from typing import Any, Final, cast
 import torch
 from torch.utils import _pytree
 
-from fp32scope._compat import COMPILER_STATE, COMPILING_FLAG, is_exporting
+from fp32scope._compat import COMPILER_STATE, COMPILING_FLAG, dtensor_type, is_exporting
 from fp32scope._errors import Fp32ScopeError
 from fp32scope._flags import dynamo_exclude
 from fp32scope._flags.scope import fp32_precision_scope, wrapper_scope
@@ -67,6 +67,7 @@ _AUTOCAST_DEVICES: Final = ("cpu", "cuda", "xpu", "mps", "hpu")
 _AUTOCAST_DTYPES: Final = (torch.float16, torch.bfloat16, torch.float32)
 _CONSTANTS: Final = (type(None), bool, int, float, str, torch.dtype, torch.device)
 _UNKNOWN: Final = -1  # "which buffers it updates is not known yet": the fake run finds out
+_TAG: Final = "fp32scope region "
 
 _numbers = itertools.count(1)
 _regions: weakref.WeakValueDictionary[int, Region] = weakref.WeakValueDictionary()
@@ -127,6 +128,9 @@ class Region:
 
     def __init__(self, module: Callable[..., Any], policy: AutocastPolicy, precision_scope_name: str) -> None:
         self.key = next(_numbers)
+        # What a compiled graph holds: a string, since Dynamo may turn an int that differs
+        # between two compiles of one frame (two models of one class) into a symbol.
+        self.tag = f"{_TAG}{self.key}"
         self.module = module
         self.policy = policy
         self.name = precision_scope_name
@@ -611,11 +615,28 @@ def _refuse_export(region: Region) -> None:
     raise Fp32ScopeError(msg)
 
 
-def region_call(key: int, n_args: int, kw_names: tuple[str, ...], *values: Any) -> Any:
+def _refuse_distributed_tensors(region: Region, values: tuple[Any, ...]) -> None:
+    # A DTensor cannot cross the op (it has no sharding rule), and a node that is an FSDP2
+    # unit itself is traced with its parameters still sharded (Dynamo skips FSDP's hooks).
+    dtensor = dtensor_type()
+    if dtensor is None or not any(isinstance(v, dtensor) for v in values):
+        return
+    msg = (
+        f"Scoped node {region.name!r} (in_graph=True) takes DTensors (its parameters, buffers or arguments) inside "
+        "a compiled graph: an FSDP2 unit (fully_shard) or a tensor-parallel module cannot be an in-graph region. "
+        "Make the region a module inside the unit (scope the child, fully_shard the parent), or wrap this node with "
+        "in_graph=False (a graph break around it)."
+    )
+    raise Fp32ScopeError(msg)
+
+
+def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) -> Any:
     """A scoped node's call as a compiled graph holds it: arguments, then parameters and buffers."""
+    key = int(tag.removeprefix(_TAG))
     region = _regions[key]
     if is_exporting():
         _refuse_export(region)
+    _refuse_distributed_tensors(region, values)
     n_params, n_buffers = region.counts()
     end = len(values) - n_params - n_buffers
     params = list(values[end : end + n_params])
@@ -649,7 +670,7 @@ def traced_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any])
         buffers = tuple(module.buffers())
     else:
         params = buffers = ()
-    return region_call(region.key, len(args), tuple(kwargs), *args, *kwargs.values(), *params, *buffers)
+    return region_call(region.tag, len(args), tuple(kwargs), *args, *kwargs.values(), *params, *buffers)
 
 
 _allowed: list[bool] = []

@@ -115,8 +115,14 @@ def _decorate_forward(module: torch.nn.Module) -> None:
     module.forward = with_fp32_precision(FULL, name="block.forward")(module.forward)
 
 
-def _scope(module: torch.nn.Module) -> torch.nn.Module:
-    return cast("torch.nn.Module", Fp32ScopedModule(module, FULL, name="block"))
+def _scope(module: torch.nn.Module, *, in_graph: bool = False) -> torch.nn.Module:
+    return cast("torch.nn.Module", Fp32ScopedModule(module, FULL, name="block", in_graph=in_graph))
+
+
+def _compiled(model: torch.nn.Module) -> torch.nn.Module:
+    # aot_eager: the region's op and the graph around it, with AOTAutograd's backward, and no
+    # C++ build in each of the two processes; Inductor's numerics are tests/compile's subject.
+    return cast("torch.nn.Module", torch.compile(model, backend="aot_eager"))
 
 
 # -- configurations: each returns (model to train, a function giving its full parameters) --
@@ -180,6 +186,22 @@ def fsdp2(variant: str, *, reshard: bool = True, use_checkpoint: bool = False) -
     return build
 
 
+def fsdp2_region(*, as_unit: bool) -> Callable[[], Built]:
+    """The block an in-graph region inside the root's unit, or a unit itself (refused), compiled whole."""
+
+    def build() -> Built:
+        shard = fully_shard_api()
+        assert shard is not None
+        model = new_model()
+        model.block = _scope(model.block, in_graph=True)
+        if as_unit:  # the region would take its sharded parameters: refused while traced
+            shard(model.block)
+        shard(model)
+        return _compiled(model), _dtensor_params(model)
+
+    return build
+
+
 def fsdp2_policy(variant: str, *, reshard: bool = True) -> Callable[[], Built]:
     """FSDP2 per block and root (the torchtitan order), with ``scope_modules`` before or after."""
 
@@ -232,8 +254,10 @@ def ddp(variant: str, **kwargs: Any) -> Callable[[], Built]:
 
         model = new_model(use_checkpoint=variant == "checkpoint")
         if variant != "none":
-            model.block = _scope(model.block)
+            model.block = _scope(model.block, in_graph=variant == "region-compiled")
         wrapped = DistributedDataParallel(model, **kwargs)
+        if variant == "region-compiled":  # torch's recipe: compile the DDP-wrapped model
+            return _compiled(wrapped), _plain_params(model)
         return wrapped, _plain_params(model)
 
     return build
@@ -256,6 +280,8 @@ CONFIGS: dict[str, Callable[[], Built]] = {
     "fsdp2-policy-then-shard-no-reshard": fsdp2_policy("policy-then-shard", reshard=False),
     "fsdp2-shard-then-policy": fsdp2_policy("shard-then-policy"),
     "fsdp2-all-sharded-then-policy": fsdp2_policy("all-sharded-then-policy"),
+    "fsdp2-region-in-root-unit-compiled": fsdp2_region(as_unit=False),
+    "fsdp2-region-as-unit-compiled": fsdp2_region(as_unit=True),
     "fsdp1-control": fsdp1("none"),
     "fsdp1-proxy-around-unit": fsdp1("proxy-around-unit"),
     "fsdp1-decorated-inside-unit": fsdp1("decorated-inside-unit"),
@@ -263,6 +289,7 @@ CONFIGS: dict[str, Callable[[], Built]] = {
     "ddp-static-graph": ddp("proxy", static_graph=True),
     "ddp-bucket-view": ddp("proxy", gradient_as_bucket_view=True),
     "ddp-checkpoint": ddp("checkpoint", static_graph=True),
+    "ddp-region-compiled": ddp("region-compiled"),
 }
 
 

@@ -414,6 +414,29 @@ def test_a_function_region_runs_in_its_precision_and_passes_gradients() -> None:
     assert sum(counters["graph_break"].values()) == 0
 
 
+def test_one_compiled_function_given_several_regions_in_turn_runs_each_in_its_own_precision() -> None:
+    # The same frame recompiled per region: Dynamo must not turn what names the region into a
+    # symbol (an int that differs between compiles does become one, and the trace then fails).
+    set_process_default(DEFAULT)
+    precisions = [FULL, MEDIUM, FULL]
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        return probe(torch.tanh(x), "node")
+
+    nodes = [with_fp32_precision(p, in_graph=True)(body) for p in precisions]
+
+    def run(node: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return node(x) * 2
+
+    compiled = torch.compile(run, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    for node in nodes:
+        torch.testing.assert_close(compiled(node, x), torch.tanh(x) * 2, rtol=0, atol=0)
+    assert phases("fwd")["node"] == precisions
+    assert current_fp32_precision() == DEFAULT
+    assert _graphs_and_breaks() == (len(nodes), 0)  # each region a constant of its own graph (the guide says so)
+
+
 def test_a_region_that_reaches_a_tensor_needing_grad_by_closure_is_refused() -> None:
     outside = torch.nn.Parameter(torch.randn(WIDTH, WIDTH))
 
