@@ -15,7 +15,8 @@ What crosses the op's boundary:
   so that gradients flow to them through the graph and land in ``.grad`` as always (the
   op binds them into the node for its run, every place a shared one is used);
   non-tensor arguments (``None``, numbers, strings, dtypes, devices) are constants of the
-  graph, kept in a layout the op names by number;
+  graph, kept in a layout the op names by number, except ints Dynamo made symbolic (they
+  vary between calls), which are op inputs too;
 * the node's outputs: tensors, in tuples, lists or dicts, with constants;
 * each buffer the node updates in place (BatchNorm's running statistics) runs on a copy
   that leaves the op as an output and is written back by the graph (``copy_``), so the op
@@ -88,6 +89,16 @@ class _TensorSlot:
 _TENSOR: Final = _TensorSlot()
 
 
+class _SymIntSlot:
+    """Stands for "the op's next integer": an int Dynamo made symbolic (it varies between calls)."""
+
+    def __repr__(self) -> str:
+        return "<int>"
+
+
+_SYMINT: Final = _SymIntSlot()
+
+
 def check_in_graph(value: object) -> bool:
     """Return ``value`` if it is a bool, else raise naming the ``in_graph`` argument."""
     if type(value) is bool:
@@ -119,7 +130,7 @@ class _Layout:
     def __init__(self, n_args: int, kw_names: tuple[str, ...], slots: tuple[Any, ...]) -> None:
         self.n_args = n_args
         self.kw_names = kw_names
-        self.slots = slots  # per argument: _TENSOR (the op's next tensor) or the constant itself
+        self.slots = slots  # per argument: _TENSOR (the op's next tensor), _SYMINT (its next int) or the constant
         self.plain = not kw_names and all(s is _TENSOR for s in slots)
 
 
@@ -156,16 +167,23 @@ class Region:
                 slots.append(_TENSOR)
             elif isinstance(value, _CONSTANTS):
                 slots.append(value)
+            elif isinstance(value, torch.SymInt):  # an int that varies between calls: an op input
+                slots.append(_SYMINT)
             else:
                 where = (
                     f"argument {position}" if position < n_args else f"keyword argument {kw_names[position - n_args]!r}"
                 )
                 msg = (
                     f"Scoped node {self.name!r} was called with {where} of type {type(value).__name__} ({value!r}) "
-                    "inside a compiled graph with in_graph=True. An in-graph region takes tensors and constants "
+                    "inside a compiled graph with in_graph=True. An in-graph region takes tensors, ints and constants "
                     "(None, bool, int, float, str, torch.dtype, torch.device) as arguments; pass the others as "
                     "tensors, or wrap the node with in_graph=False (a graph break around the node)."
                 )
+                if isinstance(value, torch.SymFloat):
+                    msg += (
+                        " A float that varies between calls is symbolic under torch.compile: pass it as a tensor, "
+                        "or set torch._dynamo.config.specialize_float = True (a graph per value)."
+                    )
                 raise Fp32ScopeError(msg)
         key = (n_args, kw_names, tuple((type(s), s) for s in slots))
         found = self._layout_ids.get(key)
@@ -208,37 +226,35 @@ class Region:
         self._counts = (len(params), len(buffers))
         return self._slots
 
-    def rebuild(self, layout: int, tensors: list[torch.Tensor]) -> tuple[list[Any], dict[str, Any]]:
-        """A call's positional and keyword arguments from its layout and the op's tensors."""
+    def rebuild(self, layout: int, tensors: list[torch.Tensor], ints: list[int]) -> tuple[list[Any], dict[str, Any]]:
+        """A call's positional and keyword arguments from its layout and the op's tensors and ints."""
         spec = self.layouts[layout]
         if spec.plain:  # only positional tensors: the usual call
             return tensors, {}
-        it = iter(tensors)
-        values = [next(it) if s is _TENSOR else s for s in spec.slots]
+        it, numbers = iter(tensors), iter(ints)
+        values = [next(it) if s is _TENSOR else next(numbers) if s is _SYMINT else s for s in spec.slots]
         n = spec.n_args
         return values[:n], dict(zip(spec.kw_names, values[n:], strict=True))
 
 
 class _Op:
-    """One call of a region op: ``spec`` is [layout, n_tensors, n_params, n_autocast, autocast..., mutated...]."""
+    """One call of a region op.
 
-    __slots__ = ("autocast", "buffers", "layout", "mutated", "params", "region", "tensors")
+    ``spec`` is [layout, n_tensors, n_params, n_autocast, n_ints, autocast..., ints..., mutated...].
+    """
+
+    __slots__ = ("autocast", "buffers", "ints", "layout", "mutated", "params", "region", "tensors")
 
     def __init__(self, key: int, spec: list[int], values: list[torch.Tensor]) -> None:
         self.region = _regions[key]
-        self.layout, n_tensors, n_params, n_autocast = spec[:4]
-        self.autocast = spec[4 : 4 + n_autocast]
-        self.mutated = spec[4 + n_autocast :]
+        self.layout, n_tensors, n_params, n_autocast, n_ints = spec[:5]
+        self.autocast = spec[5 : 5 + n_autocast]
+        self.ints = spec[5 + n_autocast : 5 + n_autocast + n_ints]
+        self.mutated = spec[5 + n_autocast + n_ints :]
         n_inputs = n_tensors + n_params
         self.tensors = values[:n_tensors]
         self.params = values[n_tensors:n_inputs]
         self.buffers = values[n_inputs:]
-
-
-def _spec(layout: int, n_tensors: int, n_params: int, autocast: list[int], mutated: list[int]) -> list[int]:
-    # Every constant of an op call in one int[]: each list argument costs the dispatcher
-    # about as much as a small kernel, on every call.
-    return [layout, n_tensors, n_params, len(autocast), *autocast, *mutated]
 
 
 def _autocast_state() -> list[int]:
@@ -382,7 +398,7 @@ def _run(op: _Op, *, fake: bool, grad: bool) -> Any:
     """Run the node with the op's parameters and buffers bound; in its scope unless ``fake``."""
     region = op.region
     p_slots, b_slots = region.slots(len(op.params), len(op.buffers))
-    args, kwargs = region.rebuild(op.layout, op.tensors)
+    args, kwargs = region.rebuild(op.layout, op.tensors, op.ints)
     saved_p = _bind(p_slots, "_parameters", op.params)
     saved_b = None
     try:
@@ -475,9 +491,9 @@ def _check_leaves(region: Region, saved: _Saved) -> None:
 # require grad): "region" where no gradient is needed, with no autograd formula (so that
 # its kernel is reached without a Python autograd kernel on the way), "region_grad" elsewhere.
 # ``values`` are the call's tensors, then the node's parameters, then its buffers.
-_lib.define("region(int key, int[] spec, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
-_lib.define("region_grad(int key, int[] spec, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
-_lib.define("region_train(int key, int[] spec, int grad_mask, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
+_lib.define("region(int key, SymInt[] spec, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
+_lib.define("region_grad(int key, SymInt[] spec, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
+_lib.define("region_train(int key, SymInt[] spec, int grad_mask, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
 _lib.define("region_backward(int key, Tensor token, Tensor[] grads, Tensor[] like) -> Tensor[]")  # type: ignore[no-untyped-call]
 
 
@@ -643,6 +659,7 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
     buffers = list(values[end + n_params :])
     layout = region.layout_id(n_args, kw_names, values[:end])
     tensors = [v for v in values[:end] if isinstance(v, torch.Tensor)]
+    ints = [v for v in values[:end] if isinstance(v, torch.SymInt)]
     autocast = _autocast_state()
     if autocast:
         warn_once_under_autocast(region.policy)
@@ -650,7 +667,10 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
     mutated = [_UNKNOWN] if known is None else list(known)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in itertools.chain(tensors, params))
     op = torch.ops.fp32scope.region_grad.default if grad else torch.ops.fp32scope.region.default
-    out = op(key, _spec(layout, len(tensors), n_params, autocast, mutated), [*tensors, *params, *buffers])
+    # Every integer of the call in one SymInt[] (each list argument costs the dispatcher about
+    # as much as a small kernel, on every call), laid out as _Op reads it.
+    numbers = [layout, len(tensors), n_params, len(autocast), len(ints), *autocast, *ints, *mutated]
+    out = op(key, numbers, [*tensors, *params, *buffers])
     found = region.mutated[region.training_layout()]
     n_out = len(out) - len(found)
     for i, update in zip(found, out[n_out:], strict=True):

@@ -463,6 +463,61 @@ class Scaled(torch.nn.Module):
         return self.linear(x) * scale, None
 
 
+class Counted(torch.nn.Module):
+    """``linear(x) * k`` over the first ``n`` rows: ints a parent passes that vary between calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, k: int, *, n: int) -> torch.Tensor:
+        return probe(self.linear(x[:n]) * k, "node")
+
+
+def test_ints_that_vary_between_calls_are_inputs_of_the_region_not_recompiles() -> None:
+    # Dynamo makes an int that changes between calls symbolic (as it does a varying size):
+    # the region takes it as an op input, so it compiles no more graphs than the same
+    # function without fp32scope does, and runs every value in its precision.
+    set_process_default(DEFAULT)
+    torch.manual_seed(0)
+    eager = Counted()
+    node = Fp32ScopedModule(copy.deepcopy(eager), FULL, in_graph=True)
+    calls = [(1, 6), (2, 5), (3, 4), (4, 3), (5, 6), (6, 2)]
+    x = torch.randn(6, WIDTH)
+
+    plain = torch.compile(lambda x, k, n: eager(x, k, n=n).sum(), backend="aot_eager", fullgraph=True)
+    for k, n in calls:
+        plain(x, k, n)
+    graphs_without_fp32scope = _graphs_and_breaks()[0]
+    assert graphs_without_fp32scope < len(calls)  # the control: this torch makes the ints symbolic
+    torch._dynamo.reset()
+    counters.clear()
+    _probe.SEEN.clear()
+
+    compiled = torch.compile(lambda x, k, n: node(x, k, n=n).sum(), backend="aot_eager", fullgraph=True)
+    weight = cast("Counted", node.__wrapped__).linear.weight
+    for k, n in calls:
+        loss = compiled(x, k, n)
+        torch.autograd.backward(loss)
+        expected = (eager.linear(x[:n]) * k).sum()
+        torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+        torch.testing.assert_close(weight.grad, torch.autograd.grad(expected, eager.linear.weight)[0], rtol=0, atol=0)
+        weight.grad = None
+    assert _graphs_and_breaks() == (graphs_without_fp32scope, 0)
+    assert phases("fwd")["node"] == [FULL] * len(calls)
+    assert phases("bwd")["node"] == [FULL] * len(calls)
+
+
+def test_a_float_that_varies_between_calls_is_refused_saying_what_to_do() -> None:
+    if torch._dynamo.config.specialize_float:
+        pytest.skip("this torch's Dynamo specializes floats (a graph per value): no float is symbolic")
+    node = Fp32ScopedModule(Scaled(), FULL, in_graph=True, name="scaled")
+    compiled = torch.compile(lambda x, s: node(x, s)[0], backend="aot_eager", fullgraph=True)
+    compiled(torch.randn(4, WIDTH), 2.0)
+    with pytest.raises(Exception, match=r"'scaled' was called with argument 1 of type SymFloat.*specialize_float"):
+        compiled(torch.randn(4, WIDTH), 3.0)
+
+
 def test_a_region_takes_constants_and_returns_tuples() -> None:
     torch.manual_seed(0)
     eager = Scaled()
