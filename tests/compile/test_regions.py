@@ -375,6 +375,8 @@ def test_fullgraph_without_in_graph_says_to_pass_in_graph() -> None:
         compiled(torch.randn(4, WIDTH))
     if _shows_disable_reason():
         assert "in_graph=True" in str(raised.value)
+    else:  # a disable without a reason: torch names the wrapper (the how-to says so)
+        assert "Fp32ScopedModule.__call__" in str(raised.value)
 
 
 def test_scope_modules_makes_regions_from_its_argument_and_from_a_json_rule() -> None:
