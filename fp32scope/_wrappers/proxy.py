@@ -169,7 +169,10 @@ class Fp32ScopedModule(_ProxyBase):
         self._self_check_parameters = asks_full_float32(checked)
         # What a compiling parent traces in place of the call (see _region), or None: a graph break.
         self._self_region = Region(module, self._self_autocast, label) if in_graph else None
-        _own_dict(self)  # what ``__dict__`` returns (see there)
+        own = _own_dict(self)  # what ``__dict__`` returns (see there)
+        if in_graph and "forward" in own:
+            # A compiling parent's ``child.forward(x)``: a region too, of the forward alone.
+            own["forward"] = _region_forward(self, Region(module, self._self_autocast, label, forward=True))
 
     # Attribute reads: Python's own lookup, then wrapt's __getattr__ (the wrapped module's
     # attribute), which is what wrapt's C __getattribute__ does. A Python subclass of a
@@ -335,9 +338,37 @@ class _InGraphScopedModule(Fp32ScopedModule):
 
     _call_impl = __call__
 
+    @property
+    def forward(self) -> Callable[..., Any]:
+        """The wrapped module's ``forward``, run inside the scope; under Dynamo, a region of its own."""
+        # One object in and out of tracing: Dynamo's guards read ``.forward`` again, eagerly.
+        found: Callable[..., Any] | None = self._self_own.dict.get("forward")
+        if found is None:  # nothing to scope (a no-op precision, no autocast action)
+            return _forward_getter(self)
+        return found
+
+    @forward.setter
+    def forward(self, value: Callable[..., Any]) -> None:
+        self.__wrapped__.forward = value
+
+    @forward.deleter
+    def forward(self) -> None:
+        del self.__wrapped__.forward
+
 
 _is_compiling = torch.compiler.is_compiling
 _scoped_call = Fp32ScopedModule.__call__
+
+
+def _region_forward(proxy: Fp32ScopedModule, region: Region) -> Callable[..., Any]:
+    # What Dynamo finds as an in-graph proxy's ``forward`` (its own dict, or the property
+    # while compiling): inlined, unlike the marked forward of a graph-break proxy.
+    def region_forward(*args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            return traced_region(region, args, kwargs)
+        return _forward_getter(proxy)(*args, **kwargs)  # not compiling: the scoped forward
+
+    return region_forward
 
 
 def _make_self_returning(name: str) -> Callable[..., Any]:
@@ -432,9 +463,9 @@ dynamo_exclude.exclude(
 # Where a compiled caller resumes after a graph break and reads ``child.forward`` (torch 2.4
 # starts a frame in the property's getter, and fails it): frames only, so that a Dynamo that
 # inlines the property (torch 2.15) still does.
-_forward_getter = cast("property", Fp32ScopedModule.forward).fget
-assert _forward_getter is not None
+_forward_getter = cast("Callable[[Fp32ScopedModule], Callable[..., Any]]", vars(Fp32ScopedModule)["forward"].fget)
 dynamo_exclude.exclude(_forward_getter, graph_break=False)
+dynamo_exclude.exclude(vars(_InGraphScopedModule)["forward"].fget, graph_break=False)
 
 
 def precision_of(obj: object) -> Fp32Precision | None:

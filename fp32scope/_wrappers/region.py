@@ -134,15 +134,27 @@ class _Layout:
         self.plain = not kw_names and all(s is _TENSOR for s in slots)
 
 
+def _forward_of(module: Any) -> Callable[..., Any]:
+    def call_forward(*args: Any, **kwargs: Any) -> Any:
+        return module.forward(*args, **kwargs)
+
+    return call_forward
+
+
 class Region:
     """What a scoped node's op needs at run time: the node, its scope, its layouts."""
 
-    def __init__(self, module: Callable[..., Any], policy: AutocastPolicy, precision_scope_name: str) -> None:
+    def __init__(
+        self, module: Callable[..., Any], policy: AutocastPolicy, precision_scope_name: str, *, forward: bool = False
+    ) -> None:
         self.key = next(_numbers)
         # What a compiled graph holds: a string, since Dynamo may turn an int that differs
         # between two compiles of one frame (two models of one class) into a symbol.
         self.tag = f"{_TAG}{self.key}"
         self.module = module
+        # What the op calls: the module (its hooks too), or, for a parent's ``child.forward(x)``,
+        # its ``forward`` as found at each call (an assigned one included), without hooks.
+        self.call: Callable[..., Any] = _forward_of(module) if forward else module
         self.policy = policy
         self.name = precision_scope_name
         self.scope: fp32_precision_scope = wrapper_scope(policy.precision, precision_scope_name)
@@ -275,16 +287,16 @@ def _autocast_state() -> list[int]:
 def _call_node(region: Region, autocast: list[int], args: list[Any], kwargs: dict[str, Any]) -> Any:
     """Call the node, under the caller's autocast as traced, or without it (``autocast=False``)."""
     if not autocast:
-        return region.module(*args, **kwargs)
+        return region.call(*args, **kwargs)
     devices = tuple(_AUTOCAST_DEVICES[i] for i in autocast[::2])
     with contextlib.ExitStack() as stack:
         if region.policy.mode is False:
             for device in devices:
                 stack.enter_context(torch.autocast(device, enabled=False))
-            return region.module(*cast_to_float32(args, devices), **cast_to_float32(kwargs, devices))
+            return region.call(*cast_to_float32(args, devices), **cast_to_float32(kwargs, devices))
         for device, dtype in zip(devices, autocast[1::2], strict=True):
             stack.enter_context(torch.autocast(device, dtype=_AUTOCAST_DTYPES[dtype]))
-        return region.module(*args, **kwargs)
+        return region.call(*args, **kwargs)
 
 
 def _below_autograd_keys() -> tuple[Any, ...]:

@@ -379,6 +379,44 @@ def test_fullgraph_without_in_graph_says_to_pass_in_graph() -> None:
         assert "Fp32ScopedModule.__call__" in str(raised.value)
 
 
+class CallsForward(torch.nn.Module):
+    """A parent that calls its child's ``forward`` directly (hooks skipped), as some models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before = Block("before")
+        self.node = Fp32ScopedModule(Block("node"), FULL, in_graph=True)
+        self.after = Block("after")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.after(self.node.forward(self.before(x)))
+        return out
+
+
+def test_a_parents_call_of_the_childs_forward_is_a_region_too() -> None:
+    set_process_default(DEFAULT)
+    torch.manual_seed(0)
+    model = CallsForward()
+    hooks: list[str] = []
+    _module(model.node).register_forward_hook(lambda *_: hooks.append("hook"))
+    eager = copy.deepcopy(model)
+    params = list(model.parameters())
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    with forbid_recompiles():
+        for _ in range(2):
+            _probe.SEEN.clear()
+            loss, grads = _train_step(compiled, params, x)
+            assert phases("fwd") == {"before": [DEFAULT], "node": [FULL], "after": [DEFAULT]}
+            assert phases("bwd") == {"after": [DEFAULT], "node": [FULL], "before": [DEFAULT]}
+    expected_loss, expected_grads = _train_step(eager, list(eager.parameters()), x)
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert hooks == []  # ``forward`` skips the module's hooks, compiled as in eager
+    assert _graphs_and_breaks()[1] == 0
+
+
 def test_scope_modules_makes_regions_from_its_argument_and_from_a_json_rule() -> None:
     set_process_default(DEFAULT)
     model = torch.nn.Sequential(Block("a"), Block("b"), Block("c"))
