@@ -529,6 +529,7 @@ def test_export_under_autocast_holds_an_autocast_off_region() -> None:
     # hand-written stack's does, so it runs in float32 under a caller's autocast too.
     torch.manual_seed(0)
     router = Router()
+    router.record = False  # torch 2.8's export fails a forward that grows a list attribute ("Node arity mismatch")
     hand = HandRouter()
     hand.load_state_dict(router.state_dict())
     x = torch.randn(4, 16)
