@@ -17,12 +17,15 @@ What crosses the op's boundary:
   non-tensor arguments (``None``, numbers, strings, dtypes, devices) are constants of the
   graph, kept in a layout the op names by number, except ints Dynamo made symbolic (they
   vary between calls), which are op inputs too;
-* the node's outputs: tensors, in tuples, lists or dicts, with constants;
+* the node's outputs: tensors, in tuples, lists or dicts, with constants; an output that
+  shares memory with an input or another output (a view of an argument, an argument handed
+  back) leaves as a copy, as does, in training, every output (the kept graph may hold it);
 * each buffer the node updates in place (BatchNorm's running statistics) runs on a copy
   that leaves the op as an output and is written back by the graph (``copy_``), so the op
   itself mutates nothing (an op with an autograd formula cannot declare mutated inputs);
   which buffers those are is found once per training/eval layout, by the run on fake
-  tensors that Dynamo makes while it traces;
+  tensors that Dynamo makes while it traces, from the writes its ops declare (a batch
+  norm's running statistics change without their version counters moving);
 * the caller's autocast state when the graph was traced (a compiled graph holds no
   autocast state at run time): the op re-enters it around the node, or runs the node
   without it and with float32 arguments where the node's policy is ``autocast=False``.
@@ -52,6 +55,7 @@ from typing import Any, Final, cast
 
 import torch
 from torch.utils import _pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp32scope._compat import COMPILER_STATE, COMPILING_FLAG, dtensor_type, is_exporting
 from fp32scope._errors import Fp32ScopeError
@@ -71,6 +75,7 @@ _UNKNOWN: Final = -1  # "which buffers it updates is not known yet": the fake ru
 _TAG: Final = "fp32scope region "
 
 _numbers = itertools.count(1)
+_sites = itertools.count(1)
 _regions: weakref.WeakValueDictionary[int, Region] = weakref.WeakValueDictionary()
 # Kept forward graphs awaiting their backward, by token number.
 _saved: dict[int, _Saved] = {}
@@ -252,17 +257,17 @@ class Region:
 class _Op:
     """One call of a region op.
 
-    ``spec`` is [layout, n_tensors, n_params, n_autocast, n_ints, autocast..., ints..., mutated...].
+    ``spec`` is [site, layout, n_tensors, n_params, n_autocast, n_ints, autocast..., ints..., mutated...].
     """
 
     __slots__ = ("autocast", "buffers", "ints", "layout", "mutated", "params", "region", "tensors")
 
     def __init__(self, key: int, spec: list[int], values: list[torch.Tensor]) -> None:
         self.region = _regions[key]
-        self.layout, n_tensors, n_params, n_autocast, n_ints = spec[:5]
-        self.autocast = spec[5 : 5 + n_autocast]
-        self.ints = spec[5 + n_autocast : 5 + n_autocast + n_ints]
-        self.mutated = spec[5 + n_autocast + n_ints :]
+        self.layout, n_tensors, n_params, n_autocast, n_ints = spec[1:6]
+        self.autocast = spec[6 : 6 + n_autocast]
+        self.ints = spec[6 + n_autocast : 6 + n_autocast + n_ints]
+        self.mutated = spec[6 + n_autocast + n_ints :]
         n_inputs = n_tensors + n_params
         self.tensors = values[:n_tensors]
         self.params = values[n_tensors:n_inputs]
@@ -301,9 +306,12 @@ def _call_node(region: Region, autocast: list[int], args: list[Any], kwargs: dic
 
 def _below_autograd_keys() -> tuple[Any, ...]:
     # The dispatch keys an op's kernel runs with excluded when it was reached below the
-    # Autograd key (an autograd formula's forward, an eager call): autograd's own.
+    # Autograd key (an autograd formula's forward, an eager call): autograd's own and
+    # ADInplaceOrView, which gives views their base and bumps version counters (without it
+    # an in-place update inside the node goes unseen: by autograd, and by the fake run that
+    # finds the buffers a node updates).
     outside = torch._C._dispatch_tls_local_exclude_set()
-    with torch._C._AutoDispatchBelowAutograd():
+    with torch._C._AutoDispatchBelowADInplaceOrView():
         inside = torch._C._dispatch_tls_local_exclude_set()
     return tuple(k for k in torch._C.DispatchKey.__members__.values() if inside.has(k) and not outside.has(k))
 
@@ -369,16 +377,19 @@ def _flatten_out(region: Region, layout: int, out: Any) -> list[torch.Tensor]:
 
 
 def _unalias(outputs: list[torch.Tensor], inputs: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    # An op's output must not alias its inputs (AOTAutograd and Inductor assume it): an
-    # argument returned as it is, or a view of one, leaves as a copy.
-    inputs = list(inputs)
-    storages: set[int] | None = None
+    # An op's output must not alias its inputs nor another of its outputs (AOTAutograd and
+    # Inductor assume it, and Inductor reuses an input's memory once the op has run): an
+    # argument returned as it is, a view of one (below ADInplaceOrView a view does not know
+    # its base, so storages are compared), or a second view of one output, leaves as a copy.
+    # So does an output laid out other than its copy would be (an offset, or not filling its
+    # storage): the fake kernel returns copies, and the graph is compiled for their layout.
+    seen = {t.untyped_storage()._cdata for t in inputs}
     for i, o in enumerate(outputs):
-        if o._is_view() or any(o is t for t in inputs):
-            if storages is None:
-                storages = {t.untyped_storage().data_ptr() for t in inputs}
-            if o.untyped_storage().data_ptr() in storages:
-                outputs[i] = o.clone()
+        storage = o.untyped_storage()
+        if storage._cdata in seen or o.storage_offset() != 0 or storage.nbytes() != o.numel() * o.element_size():
+            outputs[i] = o.clone()
+        else:
+            seen.add(storage._cdata)
     return outputs
 
 
@@ -439,7 +450,9 @@ def _run_fake(op: _Op, args: list[Any], kwargs: dict[str, Any], *, grad: bool) -
         if grad:
             with _AboveAutograd(), torch.enable_grad():
                 return _call_node(op.region, op.autocast, args, kwargs)
-        with torch.no_grad():
+        # Above ADInplaceOrView (no gradient is recorded): the buffers the node updates bump
+        # their version counters, which is how _execute finds them.
+        with _AboveAutograd(), torch.no_grad():
             return _call_node(op.region, op.autocast, args, kwargs)
     except AssertionError as error:
         # Fake tensor mode meeting a real tensor: one the node holds by closure or as a global.
@@ -448,6 +461,36 @@ def _run_fake(op: _Op, args: list[Any], kwargs: dict[str, Any], *, grad: bool) -
         raise
     finally:
         COMPILER_STATE[COMPILING_FLAG] = compiling
+
+
+class _WriteRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's untyped base
+    """Records the storages every op writes to (its schema's ``(a!)`` arguments).
+
+    Version counters miss some writes (a batch norm's running statistics), and a fake
+    run's ops are all seen here, so this is how the buffers a node updates are found.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's untyped base
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        for argument, value in zip(func._schema.arguments, args, strict=False):
+            self._note(argument, value)
+        for argument in func._schema.arguments:
+            if argument.name in kwargs:
+                self._note(argument, kwargs[argument.name])
+        return func(*args, **kwargs)
+
+    def _note(self, argument: Any, value: Any) -> None:
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            return
+        for tensor in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(tensor, torch.Tensor):
+                self.storages.add(tensor.untyped_storage()._cdata)
 
 
 def _execute(
@@ -464,11 +507,20 @@ def _execute(
             op.buffers[i] = op.buffers[i].clone()
     versions = [op.buffers[i]._version for i in mutated]
     inputs = _aliases(op, grad_mask) if grad_mask else []
-    outputs = _flatten_out(region, op.layout, _run(op, fake=fake, grad=bool(grad_mask)))
-    if not fake:
+    if find_mutated:
+        with _WriteRecorder() as written:
+            result = _run(op, fake=fake, grad=bool(grad_mask))
+    else:
+        result = _run(op, fake=fake, grad=bool(grad_mask))
+    outputs = _flatten_out(region, op.layout, result)
+    if not fake and not grad_mask:
         outputs = _unalias(outputs, itertools.chain(op.tensors, op.params, op.buffers))
     if find_mutated:
-        found = tuple(i for i, v in zip(mutated, versions, strict=True) if op.buffers[i]._version != v)
+        found = tuple(
+            i
+            for i, v in zip(mutated, versions, strict=True)
+            if op.buffers[i]._version != v or op.buffers[i].untyped_storage()._cdata in written.storages
+        )
         region.mutated[region.training_layout()] = found
         mutated = list(found)
     updates = [op.buffers[i] for i in mutated]
@@ -476,7 +528,12 @@ def _execute(
         return outputs, updates, None
     positions = [i for i, o in enumerate(outputs) if o.requires_grad]
     saved = _Saved([outputs[i] for i in positions], positions, inputs)
-    return [o.detach() if o.requires_grad else o for o in outputs], updates, saved
+    if fake:
+        return [o.detach() for o in outputs], updates, saved
+    # The op hands out copies: the kept graph may hold an output itself (tanh's backward
+    # reads its result), and the compiled graph may write into an op's output in place.
+    # A copy also aliases no input, and is laid out as the fake kernel's copy is.
+    return [o.detach().clone() for o in outputs], updates, saved
 
 
 def _check_leaves(region: Region, saved: _Saved) -> None:
@@ -560,7 +617,11 @@ def _region_backward_impl(
             found = torch.autograd.grad(
                 saved.outputs, saved.inputs, [grads[i] for i in saved.positions], allow_unused=True
             )
-    return [g if g is not None else torch.zeros_like(x) for g, x in zip(found, like, strict=True)]
+    # A gradient may be a view of an incoming one (a view's backward is a view): unaliased,
+    # as the forward's outputs are, or Inductor reuses the incoming gradient's memory under it.
+    return _unalias(
+        [g if g is not None else torch.zeros_like(x) for g, x in zip(found, like, strict=True)], [*grads, *like]
+    )
 
 
 def _region_backward_fake(
@@ -579,7 +640,7 @@ class _RegionFunction(torch.autograd.Function):
         n_inputs = len(op.tensors) + len(op.params)
         needs = ctx.needs_input_grad[2 : 2 + n_inputs]
         grad_mask = sum(1 << i for i, need in enumerate(needs) if need)
-        with torch._C._AutoDispatchBelowAutograd():
+        with torch._C._AutoDispatchBelowADInplaceOrView():
             out = torch.ops.fp32scope.region_train(key, spec, grad_mask, list(values))
         n_updates = len(region.mutated[region.training_layout()]) if op.mutated == [_UNKNOWN] else len(op.mutated)
         n_out = len(out) - 1 - n_updates
@@ -602,11 +663,11 @@ class _RegionFunction(torch.autograd.Function):
 
 
 def _region_autograd(key: int, spec: list[int], values: list[torch.Tensor]) -> list[torch.Tensor]:
-    n_inputs = spec[1] + spec[2]
+    n_inputs = spec[2] + spec[3]
     if torch.is_grad_enabled() and any(t.requires_grad for t in values[:n_inputs]):
         apply = cast("Callable[..., tuple[torch.Tensor, ...]]", _RegionFunction.apply)
         return list(apply(key, spec, *values)[:-1])  # without the token
-    with torch._C._AutoDispatchBelowAutograd():
+    with torch._C._AutoDispatchBelowADInplaceOrView():
         below: list[torch.Tensor] = torch.ops.fp32scope.region_grad(key, spec, values)
         return below
 
@@ -680,8 +741,11 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in itertools.chain(tensors, params))
     op = torch.ops.fp32scope.region_grad.default if grad else torch.ops.fp32scope.region.default
     # Every integer of the call in one SymInt[] (each list argument costs the dispatcher about
-    # as much as a small kernel, on every call), laid out as _Op reads it.
-    numbers = [layout, len(tensors), n_params, len(autocast), len(ints), *autocast, *ints, *mutated]
+    # as much as a small kernel, on every call), laid out as _Op reads it. The first is this
+    # call's own number: two calls of one region on the same inputs are two ops, which
+    # AOTAutograd's common-subexpression pass would otherwise merge into one (one kept graph
+    # for two backwards).
+    numbers = [next(_sites), layout, len(tensors), n_params, len(autocast), len(ints), *autocast, *ints, *mutated]
     out = op(key, numbers, [*tensors, *params, *buffers])
     found = region.mutated[region.training_layout()]
     n_out = len(out) - len(found)
@@ -725,7 +789,12 @@ dynamo_exclude.exclude(
         and fn.__module__ == __name__
         and fn.__name__ not in {"region_call", "traced_region"}
     ),
-    *(fn for cls in (Region, _Op, _AboveAutograd) for fn in vars(cls).values() if isinstance(fn, types.FunctionType)),
+    *(
+        fn
+        for cls in (Region, _Op, _AboveAutograd, _WriteRecorder)
+        for fn in vars(cls).values()
+        if isinstance(fn, types.FunctionType)
+    ),
     _RegionFunction.forward,
     _RegionFunction.backward,
     graph_break=False,
