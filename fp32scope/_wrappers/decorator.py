@@ -23,7 +23,14 @@ from fp32scope._wrappers.autocast import (
 from fp32scope._wrappers.node import declared_autocast
 from fp32scope._wrappers.proxy import Fp32ScopedModule
 from fp32scope._wrappers.region import Region, check_in_graph, traced_region
-from fp32scope._wrappers.trampoline import active_callback, compiled_call, trampoline_for
+from fp32scope._wrappers.trampoline import (
+    active_callback,
+    check_eager,
+    compiled_call,
+    eager_trampoline,
+    refuse_compiled_eager,
+    trampoline_for,
+)
 
 __all__ = ["with_fp32_precision"]
 
@@ -51,13 +58,14 @@ def _refuse_suspending(target: Callable[..., Any], name: str) -> None:
             raise TypeError(msg)
 
 
-def with_fp32_precision(
+def with_fp32_precision(  # noqa: PLR0913  (keyword-only options)
     precision: Fp32Precision | None,
     *,
     name: str | None = None,
     backward: bool = True,
     autocast: bool | None = None,
-    in_graph: bool = False,
+    in_graph: bool | None = None,
+    eager: bool = False,
 ) -> Callable[[F], F]:
     """A decorator that runs every call of its target inside ``fp32_precision_scope(precision)``.
 
@@ -91,6 +99,9 @@ def with_fp32_precision(
     the call instead as one region of its own graph: no graph break, ``fullgraph=True``
     works, and the target runs eagerly inside the scope (see the compiled guide); a
     function target then takes every tensor that needs a gradient as an argument.
+    ``eager=True`` keeps the target as eager runs it, never compiled (an in-graph region
+    unless ``in_graph=False``, where the caller graph-breaks and the target runs eagerly),
+    as for :class:`~fp32scope.Fp32ScopedModule`; ``precision`` may then be None.
 
     >>> import torch
     >>> @with_fp32_precision(Fp32Precision("highest"))
@@ -105,7 +116,8 @@ def with_fp32_precision(
         msg = f"name must be a str or None; got {name!r} of type {type(name).__name__}."
         raise TypeError(msg)
     check_backward(backward)
-    check_in_graph(in_graph)
+    check_eager(eager)
+    region = eager if in_graph is None else check_in_graph(in_graph)
     mode = check_autocast(autocast)
     fields = split(checked)
 
@@ -116,19 +128,21 @@ def with_fp32_precision(
         label = name if name is not None else getattr(target, "__qualname__", type(target).__qualname__)
         is_module = isinstance(target, torch.nn.Module)
         effective = declared_autocast(label, target) if is_module and mode is None else mode
-        if fields is None and effective is not False:
+        if fields is None and effective is not False and not eager:
             return target  # no scope, so nothing can leak across a suspension point
         _refuse_suspending(target, label)
         if is_module:
             return Fp32ScopedModule(  # type: ignore[return-value]
-                target, checked, name=label, backward=backward, autocast=mode, in_graph=in_graph
+                target, checked, name=label, backward=backward, autocast=mode, in_graph=region, eager=eager
             )
+        if eager:
+            refuse_compiled_eager(target, label)
         dynamo_exclude.ensure()
-        trampoline = trampoline_for(target, label)
+        trampoline = eager_trampoline() if eager else trampoline_for(target, label)
         policy = AutocastPolicy(mode, checked, label)
         warn_cublas_override(checked, label)
         scoped = _scoped_function(target, wrapper_scope(checked, label), checked, backward, trampoline, policy)
-        if in_graph:
+        if region:
             scoped = _in_graph_function(scoped, Region(target, policy, label))
         return scoped  # type: ignore[return-value]
 

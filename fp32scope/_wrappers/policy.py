@@ -19,7 +19,9 @@ __all__ = ["scope_modules", "scoped_modules", "unscope_modules"]
 _PATTERN_PREFIX = "re:"
 _PRECISION_KEYS = ("matmul", "cudnn_allow_tf32")
 #: Keys a rule's mapping may hold besides the precision: per-rule wrapper options.
-_OPTION_KEYS = ("in_graph",)
+_OPTION_KEYS = ("in_graph", "eager")
+#: The policy value that keeps a node eager without changing its flags.
+_EAGER = "eager"
 _ORIG_MOD = "_orig_mod"
 
 
@@ -106,6 +108,7 @@ class _Rule(NamedTuple):
     selector: object
     precision: Fp32Precision | None  # None: matched modules stay unscoped
     in_graph: bool | None = None  # None: scope_modules' own in_graph argument
+    eager: bool = False  # the node runs as eager runs it (see Fp32ScopedModule's eager)
 
 
 def _show(selector: object) -> str:
@@ -119,6 +122,8 @@ def _check_value(selector: object, value: object) -> Fp32Precision | None:
     where = f"policy[{_show(selector)}]"
     if value is None or isinstance(value, Fp32Precision):
         checked = check_precision(value, argument=where)
+    elif value == _EAGER:
+        checked = None
     elif isinstance(value, str):
         checked = Fp32Precision(check_matmul(value, field=where))
     elif isinstance(value, Mapping):
@@ -136,8 +141,8 @@ def _check_value(selector: object, value: object) -> Fp32Precision | None:
     else:
         msg = (
             f"{where} must be an fp32scope.Fp32Precision, a matmul precision ('highest', 'high' or "
-            f"'medium'), a mapping with keys 'matmul' and 'cudnn_allow_tf32', or None; got {value!r} "
-            f"of type {type(value).__name__}."
+            f"'medium'), 'eager', a mapping with keys 'matmul', 'cudnn_allow_tf32', 'in_graph' and 'eager', "
+            f"or None; got {value!r} of type {type(value).__name__}."
         )
         raise TypeError(msg)
     return None if checked is None or checked.is_noop else checked
@@ -152,6 +157,22 @@ def _check_rule_in_graph(selector: object, value: object) -> bool | None:
         msg = (
             f"policy[{_show(selector)}]['in_graph'] must be True (an in-graph region under torch.compile) or False "
             f"(a graph break); got {found!r} of type {type(found).__name__}."
+        )
+        raise TypeError(msg)
+    return found
+
+
+def _check_rule_eager(selector: object, value: object) -> bool:
+    """Whether a rule keeps its nodes eager: the value ``"eager"``, or a mapping's ``"eager"`` key."""
+    if value == _EAGER:
+        return True
+    if not isinstance(value, Mapping) or "eager" not in value:
+        return False
+    found = value["eager"]
+    if type(found) is not bool:
+        msg = (
+            f"policy[{_show(selector)}]['eager'] must be True (the node runs as eager runs it, never compiled) or "
+            f"False; got {found!r} of type {type(found).__name__}."
         )
         raise TypeError(msg)
     return found
@@ -173,7 +194,12 @@ class _Policy:
         self.callables: list[tuple[Callable[..., Any], _Rule]] = []
         self.rules: list[_Rule] = []
         for selector, value in policy.items():
-            rule = _Rule(selector, _check_value(selector, value), _check_rule_in_graph(selector, value))
+            rule = _Rule(
+                selector,
+                _check_value(selector, value),
+                _check_rule_in_graph(selector, value),
+                _check_rule_eager(selector, value),
+            )
             self._add(selector, rule)
             self.rules.append(rule)
 
@@ -259,41 +285,69 @@ def _decide(root: torch.nn.Module, slots: list[_Slot], policy: object) -> list[_
     return rules
 
 
-def _plan(root: torch.nn.Module, policy: object, in_graph: bool) -> list[tuple[_Slot, Fp32Precision, bool]]:
-    """What to scope: each slot, its precision and whether it is an in-graph region, checked first."""
+class _Step(NamedTuple):
+    """One node to scope: where it is, its precision, whether it is a region, whether it is eager."""
+
+    slot: _Slot
+    precision: Fp32Precision
+    region: bool
+    eager: bool
+
+
+def _region_of(rule: _Rule | None, in_graph: bool | None) -> bool:
+    """Whether a node is an in-graph region.
+
+    Its rule's own ``in_graph``, else scope_modules' argument, else a region for an eager
+    node (kept eager, and no graph break) and a graph break for the others.
+    """
+    if rule is not None and rule.in_graph is not None:
+        return rule.in_graph
+    if in_graph is not None:
+        return in_graph
+    return rule is not None and rule.eager
+
+
+def _plan(root: torch.nn.Module, policy: object, in_graph: bool | None) -> list[_Step]:
+    """What to scope: each slot, its precision, whether it is an in-graph region and eager, checked first."""
     slots = _walk(root)
     rules = _decide(root, slots, policy)
-    decided = [(slot, rule.precision if rule is not None else None) for slot, rule in zip(slots, rules, strict=True)]
-    regions = {
-        id(slot): in_graph if rule is None or rule.in_graph is None else rule.in_graph
+    decided = [
+        (slot, rule.precision if rule is not None else None, rule is not None and rule.eager)
         for slot, rule in zip(slots, rules, strict=True)
-    }
+    ]
+    regions = {id(slot): _region_of(rule, in_graph) for slot, rule in zip(slots, rules, strict=True)}
     # One module in several places gets one decision.
-    by_module: dict[int, tuple[str, Fp32Precision | None]] = {}
-    for slot, precision in decided:
-        first = by_module.setdefault(id(slot.stored), (slot.name, precision))
-        if first[1] != precision:
+    by_module: dict[int, tuple[str, Fp32Precision | None, bool]] = {}
+    for slot, precision, eager in decided:
+        first = by_module.setdefault(id(slot.stored), (slot.name, precision, eager))
+        if first[1:] != (precision, eager):
             msg = (
                 f"module {slot.name!r} is the same module as {first[0]!r}, but the policy gives them "
-                f"different precisions ({precision!r} and {first[1]!r})."
+                f"different precisions ({_describe(precision, eager)} and {_describe(first[1], first[2])})."
             )
             raise ValueError(msg)
-    plan: list[tuple[_Slot, Fp32Precision, bool]] = []
-    for slot, precision in decided:
-        if precision is None:
+    plan: list[_Step] = []
+    for slot, precision, eager in decided:
+        if precision is None and not eager:
             continue
         if isinstance(slot.stored, Fp32ScopedModule):
             existing = precision_of(slot.stored)
-            if existing == precision:
+            if existing == precision and slot.stored._self_eager == eager:
                 continue
             msg = (
-                f"module {slot.name!r} is scoped already with {existing!r}; the policy gives it "
-                f"{precision!r}. Remove that wrapper first (fp32scope.unscope_modules(model)) or change "
-                "the policy."
+                f"module {slot.name!r} is scoped already with "
+                f"{_describe(existing, slot.stored._self_eager)}; the policy gives it {_describe(precision, eager)}. "
+                "Remove that wrapper first (fp32scope.unscope_modules(model)) or change the policy."
             )
             raise ValueError(msg)
-        plan.append((slot, precision, regions[id(slot)]))
+        plan.append(_Step(slot, precision or Fp32Precision(), regions[id(slot)], eager))
     return plan
+
+
+def _describe(precision: Fp32Precision | None, eager: bool) -> str:
+    if not eager:
+        return repr(precision)
+    return "'eager'" if precision is None or precision.is_noop else f"{precision!r}, eager"
 
 
 def scope_modules(
@@ -302,7 +356,7 @@ def scope_modules(
     *,
     autocast: bool | None = None,
     backward: bool = True,
-    in_graph: bool = False,
+    in_graph: bool | None = None,
 ) -> dict[str, Fp32Precision]:
     """Scope the selected submodules of ``model`` in place; returns {qualified name: precision}.
 
@@ -319,7 +373,11 @@ def scope_modules(
     :class:`~fp32scope.Fp32Precision`, a matmul precision (``"highest"``, ``"high"``,
     ``"medium"``), or a mapping with the keys ``"matmul"`` and ``"cudnn_allow_tf32"`` (as
     loaded from JSON or TOML, which may also hold ``"in_graph"``: that rule's own
-    ``in_graph``); None (or no field set) leaves the modules it selects unscoped,
+    ``in_graph``, and ``"eager": true``), or ``"eager"``: the node runs as eager runs it,
+    never compiled, its flags as the caller has them (see ``eager`` on
+    :class:`~fp32scope.Fp32ScopedModule`; such a node is an in-graph region unless its rule
+    says ``"in_graph": false``, and reads ``Fp32Precision()`` in the result); None (or no
+    field set, without ``"eager"``) leaves the modules it selects unscoped,
     which excludes them from a broader selector. With ``policy=None``, every submodule that
     declares a precision (the attributes :func:`~fp32scope.node_fp32_precision` reads) is
     scoped with it.
@@ -336,7 +394,9 @@ def scope_modules(
     declaration, else keep the caller's autocast and warn for a full-float32 node; True;
     False: the node runs without the caller's autocast) are passed to each wrapper, and so
     is ``in_graph`` (True: under ``torch.compile`` each node is one region of the compiled
-    parent's graph, no graph break; see the compiled guide) where a rule gives none.
+    parent's graph, no graph break; see the compiled guide; False: a graph break; None,
+    the default: a region for an eager node, a graph break for the others) where a rule
+    gives none.
     Undo with :func:`unscope_modules`; list with :func:`scoped_modules`.
 
     >>> import torch
@@ -349,25 +409,26 @@ def scope_modules(
     root = _root(model)
     checked_autocast = check_autocast(autocast)
     check_backward(backward)
-    check_in_graph(in_graph)
+    if in_graph is not None:
+        check_in_graph(in_graph)
     plan = _plan(root, policy, in_graph)
     options: dict[str, Any] = {"backward": backward, "autocast": checked_autocast}
     proxies: dict[int, Fp32ScopedModule] = {}
-    for slot, precision, region in plan:
+    for slot, precision, region, eager in plan:
         if id(slot.stored) not in proxies:
             proxies[id(slot.stored)] = Fp32ScopedModule(
-                slot.stored, precision, name=slot.name, in_graph=region, **options
+                slot.stored, precision, name=slot.name, in_graph=region, eager=eager, **options
             )
     done: list[_Slot] = []
     try:
-        for slot, _, _ in plan:
+        for slot, _, _, _ in plan:
             setattr(slot.parent, slot.key, proxies[id(slot.stored)])
             done.append(slot)
     except BaseException:
         for slot in reversed(done):
             setattr(slot.parent, slot.key, slot.stored)
         raise
-    return {slot.name: precision for slot, precision, _ in plan}
+    return {step.slot.name: step.precision for step in plan}
 
 
 def unscope_modules(model: torch.nn.Module) -> list[str]:

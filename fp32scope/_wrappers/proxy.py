@@ -27,7 +27,14 @@ from fp32scope._wrappers.autocast import (
 from fp32scope._wrappers.node import declared_autocast
 from fp32scope._wrappers.param_dtype import warn_low_precision_parameters
 from fp32scope._wrappers.region import Region, check_in_graph, traced_region
-from fp32scope._wrappers.trampoline import active_callback, compiled_call, trampoline_for
+from fp32scope._wrappers.trampoline import (
+    active_callback,
+    check_eager,
+    compiled_call,
+    eager_trampoline,
+    refuse_compiled_eager,
+    trampoline_for,
+)
 
 __all__ = ["SELF_RETURNING_METHODS", "Fp32ScopedModule", "precision_of"]
 
@@ -59,8 +66,11 @@ def _rebuild(  # noqa: PLR0913, PLR0917  (positional: what pickles from every re
     backward: bool = True,  # noqa: FBT002  (pickles from fp32scope 0.1 carry three arguments)
     autocast: bool | None = None,  # (and four, before autocast)
     in_graph: bool = False,  # noqa: FBT002  (and five, before in-graph regions)
+    eager: bool = False,  # noqa: FBT002  (and six, before eager nodes)
 ) -> Fp32ScopedModule:
-    return Fp32ScopedModule(module, precision, name=name, backward=backward, autocast=autocast, in_graph=in_graph)
+    return Fp32ScopedModule(
+        module, precision, name=name, backward=backward, autocast=autocast, in_graph=in_graph, eager=eager
+    )
 
 
 def _default_name(module: object) -> str:
@@ -112,6 +122,13 @@ class Fp32ScopedModule(_ProxyBase):
     for full float32 (matmul ``"highest"`` or ``cudnn_allow_tf32=False``). Outside
     autocast none of this costs more than one check.
 
+    ``eager=True`` keeps the node as eager runs it, never compiled: its own kernels,
+    unfused, forward and backward, bit for bit the node called eagerly on the same inputs
+    (Inductor's fusions and math routines change low-precision results: see the compiled
+    guide). Inside a compiled parent it is one in-graph region (``in_graph`` defaults to
+    True); with ``in_graph=False`` the parent graph-breaks at it and it runs eagerly there.
+    ``precision`` may then be None: the flags stay as the caller has them.
+
     ``precision`` is checked here; None or an all-None precision makes a proxy that adds
     no scope (with ``autocast=False`` it still turns autocast off). ``name`` (default: the
     wrapped module's class name) appears in errors and warnings. Read the precision back
@@ -120,7 +137,9 @@ class Fp32ScopedModule(_ProxyBase):
 
     def __new__(cls, /, *_args: Any, **kwargs: Any) -> Fp32ScopedModule:  # noqa: PYI034  (may make a subclass)
         # in_graph=True makes the subclass whose call Dynamo traces (see _InGraphScopedModule).
-        kind = _InGraphScopedModule if cls is Fp32ScopedModule and kwargs.get("in_graph") is True else cls
+        in_graph = kwargs.get("in_graph")
+        region = in_graph is True or (in_graph is None and kwargs.get("eager") is True)
+        kind = _InGraphScopedModule if cls is Fp32ScopedModule and region else cls
         proxy: Fp32ScopedModule = super().__new__(kind)
         return proxy
 
@@ -134,7 +153,8 @@ class Fp32ScopedModule(_ProxyBase):
         name: str | None = None,
         backward: bool = True,
         autocast: bool | None = None,
-        in_graph: bool = False,
+        in_graph: bool | None = None,
+        eager: bool = False,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
             msg = (
@@ -147,21 +167,26 @@ class Fp32ScopedModule(_ProxyBase):
             msg = f"name must be a str or None; got {name!r} of type {type(name).__name__}."
             raise TypeError(msg)
         check_backward(backward)
-        check_in_graph(in_graph)
+        check_eager(eager)
+        in_graph = eager if in_graph is None else check_in_graph(in_graph)
         label = name if name is not None else _default_name(module)
+        if eager:
+            refuse_compiled_eager(module, label)
         mode = check_autocast(autocast)
         if mode is None:
             mode = declared_autocast(label, module)
         dynamo_exclude.ensure()
         super().__init__(module)
         self._self_precision = checked
+        self._self_eager = eager
         self._self_name = label
         self._self_scope = wrapper_scope(checked, self._self_name)
         # Whether calls that record autograd history also scope their backward.
         self._self_backward = backward and self._self_scope._fields is not None
         self._self_record_scope = recording_scope(self._self_scope)
         # What a compiling caller's Dynamo converts instead of the module (see _trampoline).
-        self._self_trampoline = trampoline_for(module, self._self_name)
+        # (An eager node's runs it with Dynamo off instead: never compiled.)
+        self._self_trampoline = eager_trampoline() if eager else trampoline_for(module, self._self_name)
         # What a call under torch.autocast does (see _autocast).
         self._self_autocast = AutocastPolicy(mode, checked, label)
         warn_cublas_override(checked, label)
@@ -222,7 +247,11 @@ class Fp32ScopedModule(_ProxyBase):
     def forward(self) -> Callable[..., Any]:
         """The wrapped module's ``forward``, run inside the scope."""
         policy = self._self_autocast
-        if (self._self_precision is None or self._self_precision.is_noop) and policy.action is None:
+        if (
+            (self._self_precision is None or self._self_precision.is_noop)
+            and policy.action is None
+            and not self._self_eager
+        ):
             forward: Callable[..., Any] = self.__wrapped__.forward
             return forward
         if torch.compiler.is_compiling():
@@ -283,7 +312,7 @@ class Fp32ScopedModule(_ProxyBase):
         return (
             f"Fp32ScopedModule(precision={self._self_precision!r}, name={self._self_name!r}, "
             f"backward={self._self_backward!r}, autocast={self._self_autocast.mode!r}, "
-            f"in_graph={self._self_region is not None!r},\n"
+            f"in_graph={self._self_region is not None!r}, eager={self._self_eager!r},\n"
             f"  module={self.__wrapped__!r})"
         )
 
@@ -295,6 +324,7 @@ class Fp32ScopedModule(_ProxyBase):
             self._self_backward,
             self._self_autocast.mode,
             self._self_region is not None,
+            self._self_eager,
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Fp32ScopedModule:
@@ -305,6 +335,7 @@ class Fp32ScopedModule(_ProxyBase):
             self._self_backward,
             self._self_autocast.mode,
             self._self_region is not None,
+            self._self_eager,
         )
 
     def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
@@ -317,6 +348,7 @@ class Fp32ScopedModule(_ProxyBase):
                 self._self_backward,
                 self._self_autocast.mode,
                 self._self_region is not None,
+                self._self_eager,
             ),
         )
 
@@ -439,7 +471,11 @@ def _own_dict(proxy: Fp32ScopedModule) -> dict[str, Any]:
     # pytree flattening recurse forever (torch 2.4's non-strict export flattens it).
     own["_self_own"] = _OwnDict(own)
     precision = own["_self_precision"]
-    if (precision is not None and not precision.is_noop) or own["_self_autocast"].action is not None:
+    if (
+        (precision is not None and not precision.is_noop)
+        or own["_self_autocast"].action is not None
+        or own["_self_eager"]
+    ):
         # What Dynamo finds as the proxy's ``forward``: a scoped forward as the property
         # makes them (one code object, which Dynamo's guard checks), marked, so that a
         # compiled caller graph-breaks at its call and then calls the property's.

@@ -105,12 +105,13 @@ _SYMINT: Final = _SymIntSlot()
 
 
 def check_in_graph(value: object) -> bool:
-    """Return ``value`` if it is a bool, else raise naming the ``in_graph`` argument."""
+    """Return ``value`` if it is a bool, else raise naming the ``in_graph`` argument (callers resolve None)."""
     if type(value) is bool:
         return value
     msg = (
         "in_graph must be True (under torch.compile, the node is one region of its compiled parent's graph: no "
-        "graph break, fullgraph=True works) or False (a graph break around the node, the default); "
+        "graph break, fullgraph=True works), False (a graph break around the node) or None (the default: "
+        "False, or True for an eager=True node); "
         f"got {value!r} of type {type(value).__name__}."
     )
     raise TypeError(msg)

@@ -34,7 +34,15 @@ from typing import Any
 from fp32scope._compat import active_callback
 from fp32scope._flags import dynamo_exclude
 
-__all__ = ["active_callback", "compiled_call", "new_trampoline", "trampoline_for"]
+__all__ = [
+    "active_callback",
+    "check_eager",
+    "compiled_call",
+    "eager_trampoline",
+    "new_trampoline",
+    "refuse_compiled_eager",
+    "trampoline_for",
+]
 
 
 def _call(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
@@ -56,6 +64,48 @@ def new_trampoline(name: str) -> Callable[..., Any]:
     if sys.version_info >= (3, 11):
         code = code.replace(co_qualname=f"{label} ({name})")
     return types.FunctionType(code, _call.__globals__, label)
+
+
+def _call_eagerly(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+_eager: list[Callable[..., Any]] = []
+
+
+def eager_trampoline() -> Callable[..., Any]:
+    """A trampoline that runs its callable eagerly: Dynamo converts none of the frames under it.
+
+    For a node kept eager (``eager=True``): where a compiled caller graph-breaks at it, the
+    node runs as eager runs it instead of compiled as a graph of its own.
+    """
+    if not _eager:  # importing Dynamo takes about a second: done for the first eager node
+        import torch._dynamo
+
+        _eager.append(torch._dynamo.disable(_call_eagerly, recursive=True))  # type: ignore[no-untyped-call]
+    return _eager[0]
+
+
+def check_eager(value: object) -> bool:
+    """Return ``value`` if it is a bool, else raise naming the ``eager`` argument."""
+    if type(value) is bool:
+        return value
+    msg = (
+        "eager must be True (the node runs as eager runs it, never compiled: one region of a compiled parent's "
+        "graph, or eagerly where the parent graph-breaks at it) or False (the default); "
+        f"got {value!r} of type {type(value).__name__}."
+    )
+    raise TypeError(msg)
+
+
+def refuse_compiled_eager(fn: object, name: str) -> None:
+    """Raise where a node asked to run eagerly is compiled already (``torch.compile(module)``)."""
+    if hasattr(fn, "_torchdynamo_orig_callable") or getattr(fn, "_compiled_call_impl", None) is not None:
+        msg = (
+            f"eager=True asks {name!r} to run as eager runs it, but it is compiled already (torch.compile): "
+            "wrap the module or function itself (for a torch.compile'd module, its _orig_mod), or drop eager=True."
+        )
+        raise ValueError(msg)
 
 
 def _compiles_itself(fn: object) -> bool:
@@ -89,7 +139,16 @@ def compiled_call(fn: Callable[..., Any], trampoline: Callable[..., Any] | None)
 dynamo_exclude.exclude(
     *(
         fn
-        for fn in (compiled_call, trampoline_for, _compiles_itself, new_trampoline, active_callback)
+        for fn in (
+            compiled_call,
+            trampoline_for,
+            _compiles_itself,
+            new_trampoline,
+            active_callback,
+            eager_trampoline,
+            check_eager,
+            refuse_compiled_eager,
+        )
         if isinstance(fn, types.FunctionType)
     ),
     graph_break=False,

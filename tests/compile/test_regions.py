@@ -597,7 +597,7 @@ def test_in_graph_is_checked_and_kept_by_copies_and_pickles() -> None:
     with pytest.raises(TypeError, match=r"in_graph must be True .* got 'yes' of type str"):
         Fp32ScopedModule(torch.nn.Linear(2, 2), FULL, in_graph="yes")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="in_graph must be True"):
-        with_fp32_precision(FULL, in_graph=None)  # type: ignore[arg-type]
+        with_fp32_precision(FULL, in_graph=1)  # type: ignore[arg-type]
     scoped = Fp32ScopedModule(torch.nn.Linear(2, 2), FULL, in_graph=True)
     for other in (copy.copy(scoped), copy.deepcopy(scoped), pickle.loads(pickle.dumps(scoped))):  # noqa: S301
         assert other._self_region is not None
