@@ -8,9 +8,10 @@ difference is what the scoping costs, not a precision difference.
 
 Three ways to compile it:
 
-- whole-model: ``torch.compile(model)``. Each scoped block is a graph break: the parent is
-  compiled as several graphs, with the scoped blocks compiled as graphs of their own
-  inside their scopes.
+- whole-model: ``torch.compile(model)``. Each scoped block is a graph break, inside the
+  stack's loop (as in ``nn.Sequential``): Dynamo gives up on the stack's frame, runs its
+  loop eagerly and compiles each block as a graph of its own, the scoped ones inside their
+  scopes.
 - in-graph: ``torch.compile(model)`` with the scoped blocks made with ``in_graph=True``:
   one graph, each scoped block one opaque region op in it, run eagerly inside its scope
   (forward, and backward over the forward's kept graph).
@@ -20,8 +21,27 @@ Three ways to compile it:
 
 For each: the median training step (forward, loss, backward, gradients cleared) and
 ``no_grad`` call over ``--repeats`` interleaved loops, the graphs Dynamo made and the
-graph breaks it counted, and the cost per scoped node: the median over rounds of
-(time with n scoped - time with 0 scoped) / n, both loops of the same round (paired).
+graph breaks it counted (those it resumed after: the break in the stack's loop, after which
+it skips the stack's frame instead, is not counted), the Python ``forward`` frames a warm
+call ran, and the cost per scoped node: the median over rounds of (time with n scoped -
+time with 0 scoped) / n, both loops of the same round (paired).
+
+Each variant is built from classes of its own, whose ``forward`` runs a code object of its
+own (see ``fresh``): a graph break inside a loop makes Dynamo skip that loop's code object
+for good (torch 2.4 and 2.13 alike), so variants sharing ``nn.Sequential.forward`` would run
+every later one eagerly, silently. And the bench checks that what it times runs as it says
+(see ``check``): after warmup, one training step and one ``no_grad`` call of each variant are
+profiled, and it exits 1, naming the variant and the frames, if the Python ``forward`` of a
+module that should run compiled ran. What runs eagerly by design, and is allowed:
+
+- whole-model, n > 0 scoped: the stack's own ``forward``. Its loop holds a graph break, so
+  Dynamo skips the stack's frame (as it would ``nn.Sequential``'s) and compiles each block
+  as a frame of its own: the unscoped blocks each in their graph, the scoped ones in theirs
+  inside their scopes (their Python ``forward`` does not run either).
+- in-graph, n > 0 scoped: the scoped blocks' ``forward`` and their children's, which the
+  region op runs eagerly inside its scope by design; the stack and the unscoped blocks run
+  in the one graph.
+- regional: the stack's ``forward``, left eager on purpose; no block's.
 """
 
 from __future__ import annotations
@@ -31,8 +51,11 @@ import json
 import statistics
 import sys
 import timeit
+import types
 import warnings
+from collections import Counter
 from collections.abc import Callable
+from typing import NamedTuple, TypeVar, cast
 
 import torch
 import torch._dynamo
@@ -48,22 +71,95 @@ BLOCKS = 8
 WIDTH = 256
 BATCH = 32
 
+M = TypeVar("M", bound=torch.nn.Module)
 
-def stack(scoped: int, *, how: str) -> torch.nn.Module:
+
+class Block(torch.nn.Module):
+    """``Linear(WIDTH, WIDTH)`` + GELU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.gelu = torch.nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gelu(self.linear(x))  # type: ignore[no-any-return]
+
+
+class Stack(torch.nn.Module):
+    """The blocks one after the other, in a loop, as ``nn.Sequential`` runs them."""
+
+    def __init__(self, blocks: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def fresh(cls: type[M]) -> type[M]:
+    """A subclass of ``cls`` whose ``forward`` is a new function running a new code object.
+
+    Dynamo keys what it decides about a frame on the frame's code object: a graph break in
+    a loop (the stack's, with a scoped block in it) makes it skip that code object for good,
+    and every later module running it then runs eagerly. A new class with the same function
+    (same code object) would share that fate, so the code object is copied: the same
+    bytecode, a distinct object. This keeps all the variants in one process, which the
+    paired, interleaved timing needs (a subprocess per variant could not pair rounds).
+    """
+    forward = cls.forward
+    code = forward.__code__.replace()  # a copy: CodeType.replace always makes a new object
+    if code is forward.__code__:  # the premise above, checked
+        msg = "CodeType.replace() returned the same code object; the variants would share it"
+        raise RuntimeError(msg)
+    function = types.FunctionType(code, forward.__globals__, forward.__name__, forward.__defaults__)
+    function.__qualname__ = forward.__qualname__
+    function.__kwdefaults__ = forward.__kwdefaults__
+    namespace = {"forward": function, "__qualname__": cls.__qualname__, "__module__": cls.__module__}
+    return cast("type[M]", type(cls.__name__, (cls,), namespace))
+
+
+class Built(NamedTuple):
+    """A variant's model, and what its Python ``forward`` frames may do (see ``check``)."""
+
+    model: torch.nn.Module
+    #: The ``forward`` code objects of the modules watched (the stack, blocks, Linear, GELU).
+    codes: frozenset[types.CodeType]
+    #: Each watched module, by id: its name and whether its Python ``forward`` may run.
+    watched: dict[int, tuple[str, bool]]
+
+
+def stack(scoped: int, *, how: str) -> Built:
     """The 8-block stack, ``scoped`` blocks (spread out) scoped; compiled as ``how`` says (see HOWS)."""
     regional = how == "regional"
+    in_graph = how == "in-graph"
     torch.manual_seed(0)
     where = {round(i * BLOCKS / scoped) for i in range(scoped)} if scoped else set()
+    stack_class, block_class = fresh(Stack), fresh(Block)  # this variant's own code objects
+    watched: dict[int, tuple[str, bool]] = {}
     blocks: list[torch.nn.Module] = []
     for i in range(BLOCKS):
-        block: torch.nn.Module = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.GELU())
+        block: torch.nn.Module = block_class()
+        # A region runs its node eagerly, inside its scope: its forward and its children's.
+        eager = in_graph and i in where
+        for name, module in block.named_modules(prefix=f"block{i}"):
+            watched[id(module)] = (name, eager)
         if regional:
             block = torch.compile(block)  # type: ignore[assignment]
         if i in where:
-            block = Fp32ScopedModule(block, FULL, name=f"block{i}", in_graph=how == "in-graph")  # type: ignore[assignment]
+            block = Fp32ScopedModule(block, FULL, name=f"block{i}", in_graph=in_graph)  # type: ignore[assignment]
         blocks.append(block)
-    model = torch.nn.Sequential(*blocks)
-    return model if regional else torch.compile(model)  # type: ignore[return-value]
+    model = stack_class(blocks)
+    # The stack runs eagerly when left so (regional) and when Dynamo skips its frame for the
+    # graph break in its loop (whole-model with a scoped block).
+    watched[id(model)] = ("stack", regional or (how == "whole-model" and scoped > 0))
+    codes = frozenset(
+        {stack_class.forward.__code__, block_class.forward.__code__}
+        | {torch.nn.Linear.forward.__code__, torch.nn.GELU.forward.__code__}
+    )
+    return Built(model if regional else torch.compile(model), codes, watched)  # type: ignore[arg-type]
 
 
 #: How the stack is compiled: scoped blocks as graph breaks, as in-graph regions, or per block.
@@ -98,9 +194,59 @@ def measure(model: torch.nn.Module, x: torch.Tensor) -> tuple[Callable[[], None]
     return train, infer
 
 
+def python_forwards(built: Built, fn: Callable[[], None]) -> list[str]:
+    """The watched modules whose own Python ``forward`` ran in ``fn()``, in call order.
+
+    Its own: the original code object. A frame Dynamo compiled runs code it made from it (a
+    different object), and a graph runs no frame at all, so neither is counted.
+    """
+    seen: list[str] = []
+
+    def profile(frame: types.FrameType, event: str, _arg: object) -> None:
+        if event == "call" and frame.f_code in built.codes:
+            module = frame.f_locals.get("self")
+            seen.append(built.watched.get(id(module), (f"an unwatched {type(module).__name__}", False))[0])
+
+    # Called inside the compiled calls it watches, where Dynamo would trace it as a frame of
+    # its own (and count it as one): kept out of Dynamo's sight.
+    sys.setprofile(torch.compiler.disable(profile, recursive=True))  # type: ignore[no-untyped-call]
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def tally(frames: list[str]) -> str:
+    """``stack, block0 (x2)``: each name once, in order, with how often when more than once."""
+    counts = Counter(frames)
+    return ", ".join(name if counts[name] == 1 else f"{name} (x{counts[name]})" for name in counts)
+
+
+def check(name: str, built: Built, train: Callable[[], None], infer: Callable[[], None]) -> list[str]:
+    """Profile one training step and one ``no_grad`` call; exit 1 if a module meant to run compiled ran eagerly.
+
+    Returns the Python ``forward`` frames seen (allowed ones), for the report.
+    """
+    allowed = {module_name for module_name, may in built.watched.values() if may}
+    seen: list[str] = []
+    for what, fn in (("train step", train), ("no_grad call", infer)):
+        frames = python_forwards(built, fn)
+        wrong = [frame for frame in frames if frame not in allowed]
+        if wrong:
+            print(
+                f"error: {name}, {what}: the Python forward of {tally(wrong)} ran, which should run compiled "
+                f"(Python forward frames seen: {tally(frames)}); its figures would not be what they claim.",
+                file=sys.stderr,
+            )
+            raise SystemExit(1)
+        seen.extend(frame for frame in frames if frame not in seen)
+    return seen
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915  (one flat script)
-    """Build, compile, measure; print the figures (and JSON with ``--json``)."""
-    parser = argparse.ArgumentParser(description=__doc__)
+    """Build, compile, check, measure; print the figures (and JSON with ``--json``)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--number", type=int, default=50, help="steps per timing loop")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
@@ -108,43 +254,52 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915 
     torch.set_num_threads(1)
     fp32scope.set_process_default(FULL)
     x = torch.randn(BATCH, WIDTH)
+    # Room in Dynamo's cache: the blocks of a variant share their forward's code object (on
+    # torch without inline_inbuilt_nn_modules each block instance is an entry of its own).
+    config = torch._dynamo.config
+    for limit in ("recompile_limit", "cache_size_limit"):
+        if limit in config._config:  # type: ignore[attr-defined]
+            setattr(config, limit, 256)
 
     # First each variant alone, with a fresh Dynamo, to count its graphs and graph breaks.
     graphs: dict[str, tuple[int, int]] = {}
     for how, scoped in VARIANTS:
         torch._dynamo.reset()
         counters.clear()
-        train, infer = measure(stack(scoped, how=how), x)
+        built = stack(scoped, how=how)
+        train, infer = measure(built.model, x)
         for _ in range(2):
             train()
             infer()
         breaks = sum(counters["graph_break"].values())
         graphs[label(how, scoped)] = (int(counters["stats"]["unique_graphs"]), breaks)
-    # Then all of them, compiled again and timed interleaved: no reset between them, and room
-    # in Dynamo's cache for the entries they add to the code objects they share
-    # (Sequential.forward among them), where Dynamo would otherwise run the later ones eagerly.
-    config = torch._dynamo.config
-    for limit in ("recompile_limit", "cache_size_limit"):
-        if limit in config._config:  # type: ignore[attr-defined]
-            setattr(config, limit, 256)
+        check(f"{label(how, scoped)} (alone)", built, train, infer)
+    # Then all of them, compiled again and timed interleaved, in one process with no reset
+    # between them: each with code objects of its own (see fresh), and checked once warm.
     torch._dynamo.reset()
     cases: dict[str, Callable[[], None]] = {}
+    checked: dict[str, tuple[Built, Callable[[], None], Callable[[], None]]] = {}
     for how, scoped in VARIANTS:
-        train, infer = measure(stack(scoped, how=how), x)
+        built = stack(scoped, how=how)
+        train, infer = measure(built.model, x)
         for _ in range(3):  # compile (train and no_grad graphs), then warm up
             train()
             infer()
         cases[f"{label(how, scoped)}: train step"] = train
         cases[f"{label(how, scoped)}: no_grad call"] = infer
+        checked[label(how, scoped)] = (built, train, infer)
     # Each variant compiled once above; later calls must not compile again (a recompile
     # would be timed): the compile counters stand still from here.
     frames_before = counters["frames"]["total"]
+    # Checked when all are built and warm, as they are timed: a variant built later must not
+    # have turned an earlier one eager.
+    eager = {name: check(name, *what) for name, what in checked.items()}
     samples: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.repeats):
         for name, fn in cases.items():
             samples[name].append(timeit.Timer(fn).timeit(number=args.number) / args.number * 1e6)
     if counters["frames"]["total"] != frames_before:
-        print("error: a timed call compiled again; the figures would include compiling", file=sys.stderr)
+        print("error: a checked or timed call compiled again; the figures would include compiling", file=sys.stderr)
         return 1
     med = {name: statistics.median(values) for name, values in samples.items()}
 
@@ -157,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915 
     print("graphs Dynamo made and graph breaks it counted, each variant alone (two train steps, two calls):")
     for name, (made, breaks) in graphs.items():
         print(f"  {name}: {made} graphs, {breaks} graph breaks")
+    print("Python forward frames in a warm train step and no_grad call (checked: only those meant to run eagerly):")
+    for name, frames in eager.items():
+        print(f"  {name}: {', '.join(frames) or 'none'}")
     per_node: dict[str, float] = {}
     for how in HOWS:
         for what in ("train step", "no_grad call"):
@@ -183,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915 
             per_node[f"regional / whole-model, {what}, {scoped} scoped"] = ratio
             print(f"  {scoped} scoped, {what}: {ratio:.2f}")
     if args.json:
-        print(json.dumps({"median_us": med, "graphs": graphs, "per_scoped_node_us": per_node}, indent=2))
+        report = {"median_us": med, "graphs": graphs, "python_forwards": eager, "per_scoped_node_us": per_node}
+        print(json.dumps(report, indent=2))
     return 0
 
 
