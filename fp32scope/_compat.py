@@ -14,7 +14,9 @@ Adding a release or raising the floor should touch this module and the release t
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Final
 
 import torch
@@ -124,6 +126,19 @@ HAS_BFX9: Final[bool] = _has_bfx9()
 #: afterwards: through the per-backend API wherever torch has it (which keeps "medium"),
 #: else through the cuBLAS TF32 bool, whose setter writes "high" for True (torch 2.4 to 2.8).
 DYNAMO_RESETS_MEDIUM: Final[bool] = not HAS_PER_BACKEND_API
+
+def dynamo_shows_disable_reason() -> bool:
+    """Whether Dynamo's error for a call of a ``torch.compiler.disable``'d function shows its reason.
+
+    torch >= 2.8 reads the reason (``_torchdynamo_disable_msg``) into a ``fullgraph=True``
+    failure; torch 2.4 names only the function. Read from Dynamo's source, which Dynamo
+    need not be imported for; called once, when the first wrapper is marked.
+    """
+    spec = importlib.util.find_spec("torch._dynamo.symbolic_convert")
+    if spec is None or spec.origin is None:  # pragma: no cover  (a torch built without Dynamo)
+        return False
+    return "_torchdynamo_disable_msg" in Path(spec.origin).read_text(encoding="utf-8")
+
 
 #: Whether Dynamo can enter a context manager that user code made inside the traced region
 #: (torch >= 2.8; torch 2.4 fails with "BEFORE_WITH UserDefinedObjectVariable(...)" before

@@ -23,9 +23,9 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from fp32scope._compat import DYNAMO_RESETS_MEDIUM
+from fp32scope._compat import DYNAMO_RESETS_MEDIUM, dynamo_shows_disable_reason
 
-__all__ = ["dynamo_resets_medium", "ensure", "exclude", "mark_function"]
+__all__ = ["dynamo_resets_medium", "ensure", "exclude", "mark_function", "rename_where_no_reason"]
 
 _REASON = (
     "fp32scope: a scoped call changes torch's process-wide float32 precision flags, so by default it runs "
@@ -57,9 +57,27 @@ def exclude(*functions: Callable[..., Any], graph_break: bool = True) -> None:
         _flush()
 
 
+#: Where Dynamo shows no reason (torch 2.4), the one marked function it names in a
+#: ``fullgraph=True`` failure for a scoped child says what to do in its qualified name.
+_NAMED_REASON = " [fp32scope: a graph break; in_graph=True keeps the node in one graph]"
+_renamed: list[Callable[..., Any]] = []
+
+
+def rename_where_no_reason(fn: Callable[..., Any]) -> None:
+    """Have ``fn``'s name say what to do, on a Dynamo that names a disabled function without its reason."""
+    _renamed.append(fn)
+    if _done[0]:
+        _flush()
+
+
 def _flush() -> None:
     from torch._dynamo.eval_frame import skip_code
 
+    if _renamed and not dynamo_shows_disable_reason():
+        for fn in _renamed:
+            if not fn.__qualname__.endswith(_NAMED_REASON):
+                fn.__qualname__ += _NAMED_REASON
+    _renamed.clear()
     while _pending:
         fn, graph_break = _pending.pop()
         _skipped.extend(_code_objects(fn.__code__))

@@ -490,6 +490,7 @@ def _own_dict(proxy: Fp32ScopedModule) -> dict[str, Any]:
 
 # Every closure of _scoped_forward shares one code object: marking one covers them all.
 dynamo_exclude.exclude(Fp32ScopedModule.__call__)
+dynamo_exclude.rename_where_no_reason(Fp32ScopedModule.__call__)
 dynamo_exclude.exclude(
     _scoped_forward(
         print, fp32_precision_scope(None), False, fp32_precision_scope(None), AutocastPolicy(True, None, "")

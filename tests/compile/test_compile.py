@@ -208,7 +208,7 @@ def test_fullgraph_parent_with_a_scoped_child_is_refused_with_the_reason() -> No
     if "reason" in inspect.signature(torch._dynamo.disable).parameters:
         reason = "fp32scope: a scoped call changes torch's process-wide float32 precision flags"
     else:  # torch 2.4's Dynamo names the disabled function and gives no reason
-        reason = r"disable\(\) wrapped function <function Fp32ScopedModule.__call__"
+        reason = r"wrapped function <function Fp32ScopedModule.__call__ \[fp32scope: a graph break; in_graph=True"
     with pytest.raises(RuntimeError, match=reason), torch.no_grad():
         torch.compile(parent, backend="eager", fullgraph=True)(x)
 

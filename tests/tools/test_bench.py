@@ -15,6 +15,8 @@ from tests._support.common import ROOT
     [
         ("bench_scope.py", "each feature's cost per scoped call"),
         ("bench_training.py", "fp32scope's overhead"),
+        # (It also exits 1 when a variant it times as compiled runs a Python forward it should not.)
+        ("bench_compiled.py", "Python forward frames in a warm train step"),
     ],
 )
 def test_a_benchmark_runs_and_leaves_the_flags_as_it_found_them(script: str, printed: str) -> None:
