@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -165,6 +166,51 @@ def _check_callable(value: object, name: str, shape: str) -> Callable[..., Any] 
         return value
     msg = f"{name} must be None or a callable {shape}; got {value!r} of type {type(value).__name__}."
     raise TypeError(msg)
+
+
+def _check_compile(compile: object) -> dict[str, Any] | None:  # noqa: A002  (advise's argument)
+    """torch.compile's keyword arguments for the fast runs (None: eager, ``compile=False``)."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return {}
+    if isinstance(compile, Mapping):
+        known = [name for name in inspect.signature(torch.compile).parameters if name != "model"]
+        for key in compile:
+            if not isinstance(key, str):
+                msg = f"compile is a mapping, so its keys must be torch.compile's keyword names (str); got {key!r}."
+                raise TypeError(msg)
+            if key not in known:
+                msg = (
+                    f"compile[{key!r}] is not an argument of torch.compile in torch {torch.__version__} "
+                    f"(it takes {', '.join(known)})."
+                )
+                raise ValueError(msg)
+        return dict(compile)
+    msg = (
+        "compile must be False (the fast runs eager), True (the model compiled whole, torch.compile's "
+        'defaults) or a mapping of torch.compile keyword arguments (e.g. {"fullgraph": True, "backend": '
+        f'"inductor"}}); got {compile!r} of type {type(compile).__name__}.'
+    )
+    raise TypeError(msg)
+
+
+def _check_reference(reference: object, compile_options: dict[str, Any] | None) -> bool:
+    """Whether the reference is the model run eagerly at the fast setting (else full float32)."""
+    if reference not in ("float32", "eager") or not isinstance(reference, str):
+        msg = (
+            "reference must be 'float32' (the model in full float32, eagerly) or 'eager' (the model run "
+            f"eagerly at the fast setting; needs compile=); got {reference!r}."
+        )
+        raise ValueError(msg) if isinstance(reference, str) else TypeError(msg)
+    if reference == "eager" and compile_options is None:
+        msg = (
+            "reference='eager' compares the compiled model with the same model run eagerly at the fast "
+            "setting; without compile= the fast run is that very run, so there would be nothing to "
+            "measure: pass compile=True (or torch.compile's arguments), or reference='float32'."
+        )
+        raise ValueError(msg)
+    return reference == "eager"
 
 
 def _check_progress(progress: object) -> bool:

@@ -7,6 +7,7 @@ Also what every run leaves behind: nothing (:class:`_State` after every run, and
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import Any, NamedTuple, TextIO
@@ -65,6 +66,46 @@ _BACKWARD = frozenset(
         "_flash_attention_backward",
         "_efficient_attention_backward",
         "flex_attention_backward",
+    }
+)
+# aten ops that make floating-point tensors without arithmetic on floating-point values: they
+# allocate, fill, copy, join or index. Every other op with a floating-point result (views
+# aside) is floating-point work a compiler may fuse, reorder or keep in another precision.
+_NO_ARITHMETIC = frozenset(
+    {
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "zeros",
+        "zeros_like",
+        "new_zeros",
+        "ones",
+        "ones_like",
+        "new_ones",
+        "full",
+        "full_like",
+        "new_full",
+        "fill",
+        "fill_",
+        "zero_",
+        "scalar_tensor",
+        "lift_fresh",
+        "lift_fresh_copy",
+        "detach",
+        "alias",
+        "clone",
+        "copy",
+        "copy_",
+        "cat",
+        "stack",
+        "index",
+        "index_select",
+        "gather",
+        "embedding",
+        "_unsafe_view",
+        "constant_pad_nd",
     }
 )
 #: The key of an autograd node's metadata that says which candidate's forward made it (0: none).
@@ -281,7 +322,10 @@ class _Census(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's cl
     """Counts matmul-like ops and their FLOPs per innermost module, its backward's included.
 
     Forward hooks keep the stack of modules; a backward op counts for the module whose
-    forward made the autograd node that runs it (tagged as the forward went).
+    forward made the autograd node that runs it (tagged as the forward went). ``float_ops``
+    counts, per innermost module, every forward op doing floating-point arithmetic (a
+    floating-point result, not a view, not an op that only allocates, copies, joins or
+    indexes: see ``_NO_ARITHMETIC``): the work a compiler may fuse or reorder.
     """
 
     def __init__(self, modules: dict[int, torch.nn.Module]) -> None:
@@ -293,6 +337,7 @@ class _Census(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's cl
         self.formulas["_grouped_mm"] = self.formulas.get("_grouped_mm", _grouped_mm_flops)
         self.stack: list[int] = [0]  # 0: the root's own work
         self.ops: dict[int, int] = {}
+        self.float_ops: dict[int, int] = {}
         self.flops: dict[int, int] = {}
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         for key, module in modules.items():
@@ -321,6 +366,9 @@ class _Census(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's cl
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
         node: Any = torch._C._current_autograd_node()  # None in the forward
+        if node is None and _float_work(func, name, out):
+            key = self.stack[-1]
+            self.float_ops[key] = self.float_ops.get(key, 0) + 1
         if node is None and name in _MATMUL_LIKE:
             key = self.stack[-1]
             self.ops[key] = self.ops.get(key, 0) + 1
@@ -340,6 +388,15 @@ class _Census(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's cl
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def _float_work(func: Any, name: str, out: Any) -> bool:
+    """Whether an op does floating-point arithmetic: a floating-point result, not a view, not a copy."""
+    if name in _NO_ARITHMETIC or not _floats(out, []):
+        return False
+    returns = func._schema.returns
+    # A view (its result aliases an input without writing it) computes nothing.
+    return not any(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 def _grouped_mm_flops(a: torch.Tensor, *_: Any, out_val: torch.Tensor, **__: Any) -> int:
@@ -437,9 +494,32 @@ class _Runner:
         self.params = [p for p in root.parameters() if p.requires_grad] if loss is not None else []
         self.runs = 0
         self.reference: list[_Outcome] = []
+        #: Whether the reference runs at the fast setting (``reference="eager"``) or in full float32.
+        self.reference_fast = False
+        #: torch.compile's keyword arguments for the fast runs (None: the fast runs are eager).
+        self.compile: dict[str, Any] | None = None
+        #: Whole-model compiles (one per policy measured), node compiles (one per candidate alone),
+        #: and the seconds spent in runs of compiled code, the compiles included.
+        self.compiles = 0
+        self.node_compiles = 0
+        self.compile_seconds = 0.0
 
-    def _run(self, batch: Batch, *, fast: bool) -> _Outcome:
+    def compiled(self, module: torch.nn.Module, *, whole: bool) -> Callable[..., Any]:
+        """``module`` compiled afresh (Dynamo reset first: nothing compiled before is reused)."""
+        options = dict(self.compile or {})
+        if not whole:
+            options.pop("fullgraph", None)  # a node alone may break its graph: only its numerics matter
+        torch.compiler.reset()
+        if whole:
+            self.compiles += 1
+        else:
+            self.node_compiles += 1
+        compiled: Callable[..., Any] = torch.compile(module, **options)
+        return compiled
+
+    def _run(self, batch: Batch, *, fast: bool, model: Callable[..., Any] | None = None) -> _Outcome:
         args, kwargs = batch
+        model = self.root if model is None else model
         with ExitStack() as stack:
             token = (
                 torch_flags.apply(self.fast.matmul, self.fast.cudnn_allow_tf32)
@@ -460,7 +540,7 @@ class _Runner:
             with ExitStack() as forward:
                 if fast and self.dtype is not None:
                     forward.enter_context(torch.autocast(self.device_type, self.dtype))
-                output = self.root(*args, **kwargs) if self.call is None else self.call(self.root, *args, **kwargs)
+                output = model(*args, **kwargs) if self.call is None else self.call(model, *args, **kwargs)
                 value = self.loss(output) if self.loss is not None else None
             grads: list[torch.Tensor] = []
             if value is not None:
@@ -472,22 +552,30 @@ class _Runner:
             return _Outcome(output if self.metric is not None else None, _floats(output, []), grads)
 
     def measure_reference(self, census: _Census) -> None:
-        """Run every batch in full float32; the first one counts the ops of each module too."""
-        self.progress.show(self.runs, "reference (full float32)")
+        """Run every batch as the reference; the first one counts the ops of each module too."""
+        fast = self.reference_fast
+        self.progress.show(self.runs, "reference (eager)" if fast else "reference (full float32)")
         for i, batch in enumerate(self.batches):
             if i == 0:
                 try:
                     with census:
-                        self.reference.append(self._run(batch, fast=False))
+                        self.reference.append(self._run(batch, fast=fast))
                 finally:
                     census.remove()
             else:
-                self.reference.append(self._run(batch, fast=False))
+                self.reference.append(self._run(batch, fast=fast))
 
-    def error(self, index: int, *, fast: bool = True) -> float:
-        """The error of one run of batch ``index`` at the fast setting (or the reference's)."""
+    def error(self, index: int, *, fast: bool = True, model: Callable[..., Any] | None = None) -> float:
+        """The error of one run of batch ``index`` at the fast setting (or the reference's), of ``model``."""
         ref = self.reference[index]
-        out = self._run(self.batches[index], fast=fast)
+        if model is None:
+            out = self._run(self.batches[index], fast=fast)
+        else:
+            started = time.perf_counter()
+            try:
+                out = self._run(self.batches[index], fast=fast, model=model)
+            finally:
+                self.compile_seconds += time.perf_counter() - started
         if self.metric is not None:
             err = float(self.metric(out.output, ref.output))
         else:
@@ -496,10 +584,12 @@ class _Runner:
             err = max(err, relative_error(out.grads, ref.grads))
         return math.inf if math.isnan(err) else err
 
-    def errors(self, what: str, which: range | list[int], *, fast: bool = True) -> list[float]:
-        """The error of each batch of ``which``."""
+    def errors(
+        self, what: str, which: range | list[int], *, fast: bool = True, model: Callable[..., Any] | None = None
+    ) -> list[float]:
+        """The error of each batch of ``which`` (``model``: what to call instead of the model)."""
         self.progress.show(self.runs, what)
-        return [self.error(i, fast=fast) for i in which]
+        return [self.error(i, fast=fast, model=model) for i in which]
 
 
 @contextmanager

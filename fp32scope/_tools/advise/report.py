@@ -38,9 +38,11 @@ class Fp32AdviceNode(NamedTuple):
     #: forward, and with a loss the backward of that forward too.
     flop_share: float
     #: The error with only this node's own work fast and every other candidate's in full float32
-    #: (nan where not measured: every node fast met the tolerance / margin).
+    #: (with ``compile=``: the model run eagerly at the reference's setting with only this node
+    #: compiled, its candidate submodules kept eager; nan where not measured: every node fast
+    #: met the tolerance / margin).
     sensitivity: float
-    #: Whether the advised policy keeps it in full float32 (a node of the policy).
+    #: Whether the advised policy keeps it (in full float32, or eager with ``reference="eager"``).
     kept: bool
 
 
@@ -48,18 +50,22 @@ class Fp32AdviceNode(NamedTuple):
 class Fp32Advice:
     """What :func:`advise` found: the policy, the errors measured with and without it, and each node.
 
-    ``policy`` is ``{qualified name: {"matmul": "highest", "cudnn_allow_tf32": False}}``, a
-    mapping :func:`~fp32scope.scope_modules` takes as it is or after a round trip through
-    JSON; ``autocast`` is what to pass to it with the policy (False when the model runs under
-    ``torch.autocast``: the kept nodes then run without it; else None).
+    ``policy`` is ``{qualified name: {"matmul": "highest", "cudnn_allow_tf32": False}}``
+    (with ``compile=``, the rule also says ``"in_graph": True``: a full float32 region of the
+    compiled model; with ``reference="eager"``, the value is the string ``"eager"``: the node
+    runs as eager runs it), a mapping :func:`~fp32scope.scope_modules` takes as it is or after
+    a round trip through JSON; ``autocast`` is what to pass to it with the policy (False when
+    the model runs under ``torch.autocast`` and the kept nodes are full float32: they then run
+    without it; else None). With ``compile``, compile the model after scoping it, with those
+    arguments, as the advice measured it.
 
     What it promises: on every batch it was given (calibration and held-out) the policy's
     error, measured through :func:`~fp32scope.scope_modules`, is ``batch_errors``; ``met``
     says each is within ``tolerance``. It cannot promise anything for data it never saw.
     """
 
-    #: {qualified name: full float32}, JSON-ready; empty when every node may run fast.
-    policy: dict[str, dict[str, Any]]
+    #: {qualified name: full float32, or "eager"}, JSON-ready; empty when every node may run fast.
+    policy: dict[str, Any]
     #: The ``autocast`` argument of :func:`~fp32scope.scope_modules` for this policy.
     autocast: bool | None
     #: The error with the policy applied (through scope_modules), the largest over the calibration batches.
@@ -98,6 +104,18 @@ class Fp32Advice:
     )
     #: The torch version the advice was measured with.
     torch_version: str = torch.__version__
+    #: What the errors are measured against: "float32" (the model in full float32, eagerly) or
+    #: "eager" (the model run eagerly at the fast setting).
+    reference: str = "float32"
+    #: The torch.compile keyword arguments the fast runs were compiled with (None: eager runs);
+    #: in JSON, a value JSON cannot hold (a backend callable) is its repr.
+    compile: dict[str, Any] | None = None
+    #: Whole-model compiles (one per policy measured, after torch.compiler.reset()).
+    compiles: int = 0
+    #: Compiles of one candidate alone (one per candidate measured for its sensitivity).
+    node_compiles: int = 0
+    #: Seconds spent in runs of compiled code, their compiles included.
+    compile_seconds: float = 0.0
 
     @property
     def kept(self) -> tuple[str, ...]:
@@ -135,22 +153,27 @@ class Fp32Advice:
             "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]
         ]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        fast = f"matmul {self.fast.matmul!r}" + (
-            f" under autocast {str(self.autocast_dtype).removeprefix('torch.')}" if self.autocast_dtype else ""
+        fast = (
+            f"matmul {self.fast.matmul!r}"
+            + (f" under autocast {str(self.autocast_dtype).removeprefix('torch.')}" if self.autocast_dtype else "")
+            + (", compiled" if self.compile is not None else "")
         )
+        eager = self.reference == "eager"
+        reference_runs = "eager" if eager else "full float32"
         target = self.tolerance / self.margin
         calibration = self.batch_errors.get("calibration", ())
         held = self.batch_errors.get("held_out", ())
         lines += [
             "",
+            f"reference: {'the model run eagerly at the fast setting' if eager else 'the model in full float32'}",
             f"fast ({fast}) error: {self.fast_error:.3g}",
             (
                 f"tolerance {self.tolerance:.3g}, searched for {target:.3g} (margin {self.margin:g}); "
-                f"noise (two full float32 runs) {self.noise:.3g}"
+                f"noise (two {reference_runs} runs) {self.noise:.3g}"
             ),
             (
-                f"advised: {len(self.policy)} node(s) in full float32 ({self.kept_flop_share:.1%} of FLOPs, "
-                f"{self.kept_parameter_share:.1%} of parameters)"
+                f"advised: {len(self.policy)} node(s) {'kept eager' if eager else 'in full float32'} "
+                f"({self.kept_flop_share:.1%} of FLOPs, {self.kept_parameter_share:.1%} of parameters)"
             ),
             (
                 f"advised error: {self.error:.3g} on {len(calibration) or 'the'} calibration batch(es)"
@@ -168,6 +191,12 @@ class Fp32Advice:
             if len(errors) > 1:
                 shown = ", ".join(f"{e:.3g}" for e in errors[:12]) + (", ..." if len(errors) > 12 else "")
                 lines.append(f"errors per {part.replace('_', '-')} batch: {shown}")
+        if self.compile is not None:
+            options = ", ".join(f"{k}={v!r}" for k, v in self.compile.items()) or "defaults"
+            lines.append(
+                f"compiled (torch.compile {options}): {self.compiles} whole-model compile(s), "
+                f"{self.node_compiles} node compile(s), {self.compile_seconds:.1f} s in compiled runs"
+            )
         if self.reason is not None:
             lines.append(f"why: {self.reason}")
         return "\n".join(lines)
@@ -200,6 +229,11 @@ class Fp32Advice:
             "runs": self.runs,
             "seconds": self.seconds,
             "torch_version": self.torch_version,
+            "reference": self.reference,
+            "compile": None if self.compile is None else {k: _json_value(v) for k, v in self.compile.items()},
+            "compiles": self.compiles,
+            "node_compiles": self.node_compiles,
+            "compile_seconds": self.compile_seconds,
             "nodes": [
                 {
                     "name": n.name,
@@ -248,6 +282,12 @@ class Fp32Advice:
             held_out_error=None if document["held_out_error"] is None else _float(document["held_out_error"]),
             batch_errors={k: tuple(_float(e) for e in v) for k, v in document["batch_errors"].items()},
             torch_version=document["torch_version"],
+            # Advice written before compile= holds none of these: eager runs against full float32.
+            reference=document.get("reference", "float32"),
+            compile=document.get("compile"),
+            compiles=document.get("compiles", 0),
+            node_compiles=document.get("node_compiles", 0),
+            compile_seconds=document.get("compile_seconds", 0.0),
         )
 
     # -- the chart -------------------------------------------------------------------------------
@@ -321,13 +361,14 @@ class Fp32Advice:
         left.set_yticks(ys)
         left.set_yticklabels([label for _, label in rows], fontsize=7)
         left.invert_yaxis()
-        left.set_xlabel("error with only this node fast", fontsize=8)
+        alone = "compiled" if self.compile is not None else "fast"
+        left.set_xlabel(f"error with only this node {alone}", fontsize=8)
         right.set_xlabel("share of FLOPs (%)", fontsize=8)
         handles = [
             *left.get_legend_handles_labels()[0],
             Patch(color="tab:red", label="kept"),
             Patch(color="tab:orange", label="kept (inside a kept node)"),
-            Patch(color="tab:blue", label="fast"),
+            Patch(color="tab:blue", label="compiled" if self.compile is not None else "fast"),
             Patch(facecolor="none", edgecolor="grey", hatch="//", label="not measured"),
         ]
         fig.legend(handles=handles, fontsize=7, loc="outside lower center", ncol=3)
@@ -370,6 +411,15 @@ def _number(value: float) -> float | str | None:
         return None
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
+    return value
+
+
+def _json_value(value: Any) -> Any:
+    """``value`` as JSON holds it: itself where JSON can, else its repr (a backend callable)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        return repr(value)
     return value
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from fp32scope._tools.advise.arguments import (
     _aliases,
     _check_autocast_dtype,
     _check_callable,
+    _check_compile,
     _check_fast,
     _check_held_out,
     _check_inputs,
@@ -22,9 +24,11 @@ from fp32scope._tools.advise.arguments import (
     _check_model,
     _check_not_the_reference,
     _check_progress,
+    _check_reference,
     _check_tolerance,
     _select,
 )
+from fp32scope._tools.advise.compiled import kept_rule, sensitivities
 from fp32scope._tools.advise.measure import (
     _Census,
     _device_type,
@@ -34,7 +38,7 @@ from fp32scope._tools.advise.measure import (
     _Runner,
     _State,
 )
-from fp32scope._tools.advise.report import FULL_FLOAT32, Fp32Advice, Fp32AdviceNode
+from fp32scope._tools.advise.report import Fp32Advice, Fp32AdviceNode
 from fp32scope._wrappers.policy import _bare, _walk, scope_modules, unscope_modules
 
 __all__ = ["advise"]
@@ -53,10 +57,22 @@ class _Search:
         self.calibration = calibration
         self.cache: dict[tuple[frozenset[int], int], float] = {}
 
-    def policy(self, kept: Sequence[int]) -> dict[str, dict[str, Any]]:
+    def policy(self, kept: Sequence[int]) -> dict[str, Any]:
         """The policy keeping ``kept`` (every name of a shared module), in module order."""
         chosen = set(kept)
-        return {name: dict(FULL_FLOAT32) for key in self.names if key in chosen for name in self.names[key]}
+        rule = kept_rule(self.runner)
+        return {
+            name: rule if isinstance(rule, str) else dict(rule)
+            for key in self.names
+            if key in chosen
+            for name in self.names[key]
+        }
+
+    @property
+    def autocast(self) -> bool | None:
+        """scope_modules' ``autocast`` for a policy: False for full float32 nodes of a model under autocast."""
+        runner = self.runner
+        return False if runner.dtype is not None and not runner.reference_fast else None
 
     def errors(self, kept: Sequence[int], what: str, which: range | None = None) -> list[float]:
         """The error of each batch of ``which`` (default: the calibration batches) with ``kept`` kept."""
@@ -66,9 +82,11 @@ class _Search:
         if missing:
             runner = self.runner
             if kept:
-                scope_modules(runner.root, self.policy(kept), autocast=False if runner.dtype is not None else None)
+                scope_modules(runner.root, self.policy(kept), autocast=self.autocast)
             try:
-                for i, err in zip(missing, runner.errors(what, missing), strict=True):
+                # With compile=, the policy's model compiled whole, afresh: a new policy, a new compile.
+                model = runner.compiled(runner.root, whole=True) if runner.compile is not None else None
+                for i, err in zip(missing, runner.errors(what, missing, model=model), strict=True):
                     self.cache[key, i] = err
             finally:
                 if kept:
@@ -97,6 +115,8 @@ def advise(  # noqa: PLR0913, PLR0915  (one public entry point: check, measure, 
     candidates: Sequence[Any] | None = None,
     metric: Callable[[Any, Any], float] | None = None,
     progress: bool | None = None,
+    compile: bool | Mapping[str, Any] = False,  # noqa: A002  (torch.compile's own name, as the issue asks)
+    reference: str = "float32",
 ) -> Fp32Advice:
     """Find the submodules that must run in full float32 for ``model`` to stay within ``tolerance``.
 
@@ -174,26 +194,32 @@ def advise(  # noqa: PLR0913, PLR0915  (one public entry point: check, measure, 
     call = _check_callable(run, "run", "run(model, *args, **kwargs) -> output")
     metric_fn = _check_callable(metric, "metric", "(output, reference) -> float")
     show = _check_progress(progress)
+    compile_options = _check_compile(compile)
+    eager_reference = _check_reference(reference, compile_options)
     batches = calibration_batches + held_out_batches
     device_type = _device_type(batches, root)
-    _check_not_the_reference(fast_precision, dtype, device_type)
+    if compile_options is None:  # with compile=, the compile is the difference
+        _check_not_the_reference(fast_precision, dtype, device_type)
     names, modules, _ = _aliases(root)
     chosen = None if candidates is None else _select(root, candidates)
     bar = _Progress(show, sys.stderr)
     state = _State(root)
     runner = _Runner(root, batches, fast_precision, dtype, loss_fn, metric_fn, call, bar, device_type, state)
+    runner.reference_fast = eager_reference
+    runner.compile = compile_options
     calibration = range(len(calibration_batches))
     held = range(len(calibration_batches), len(batches))
     target = tol / margin_value
     order = list(modules)  # module order
     try:
-        with _left_as_found(root, state, loss_fn is not None):
+        with _left_as_found(root, state, loss_fn is not None), _compiled_left_behind(compile_options):
             census = _Census(modules)
             runner.measure_reference(census)
-            noise = max(runner.errors("reference again", range(len(batches)), fast=False))
+            noise = max(runner.errors("reference again", range(len(batches)), fast=eager_reference))
             if tol < NOISE_FACTOR * noise:
+                runs_of = "eager" if eager_reference else "full float32"
                 msg = (
-                    f"tolerance {tol:.3g} is under {NOISE_FACTOR} times the model's own noise: two full float32 "
+                    f"tolerance {tol:.3g} is under {NOISE_FACTOR} times the model's own noise: two {runs_of} "
                     f"runs of the same batches differ by {noise:.3g}. Make the runs repeatable (seed the "
                     "model's own generators, or pass run= a function that does; drop the nondeterminism: "
                     "torch.use_deterministic_algorithms(True), dropout in eval mode), or give a tolerance of "
@@ -202,16 +228,21 @@ def advise(  # noqa: PLR0913, PLR0915  (one public entry point: check, measure, 
                 raise ValueError(msg)
             own_flops = census.flops
             if chosen is None:
+                # With compile=, pointwise work counts too: it is what a compiler fuses.
                 chosen = [
                     key
                     for key in order
                     if census.ops.get(key, 0) > 0
+                    or (compile_options is not None and census.float_ops.get(key, 0) > 0)
                     or any(p.is_floating_point() for p in modules[key].parameters(recurse=False))
                 ]
             search = _Search(runner, names, target, calibration)
-            fast_error = search.error([], "every node fast")
+            fast_error = search.error([], "every node compiled" if compile_options is not None else "every node fast")
             sensitivity: dict[int, float] = {}
-            if fast_error > target:
+            inside = _descendants(modules)
+            if fast_error > target and compile_options is not None:
+                sensitivity = sensitivities(runner, chosen, modules, names, inside, calibration)
+            elif fast_error > target:
                 own = _OwnWork(runner, {k: modules[k] for k in chosen})
                 try:
                     for i, key in enumerate(chosen):
@@ -223,7 +254,6 @@ def advise(  # noqa: PLR0913, PLR0915  (one public entry point: check, measure, 
                     own.remove()
             else:  # nothing to search: not measured
                 sensitivity = dict.fromkeys(chosen, math.nan)
-            inside = _descendants(modules)
             total_flops = sum(own_flops.values())
             subtree_flops = {k: own_flops.get(k, 0) + sum(own_flops.get(d, 0) for d in inside[k]) for k in modules}
             kept: list[int] = []
@@ -256,7 +286,7 @@ def advise(  # noqa: PLR0913, PLR0915  (one public entry point: check, measure, 
         bar.close()
     return Fp32Advice(
         policy=search.policy(kept),
-        autocast=False if dtype is not None else None,
+        autocast=search.autocast,
         error=error,
         fast_error=fast_error,
         tolerance=tol,
@@ -273,7 +303,22 @@ def advise(  # noqa: PLR0913, PLR0915  (one public entry point: check, measure, 
         noise=noise,
         held_out_error=max(held_errors) if held_errors else None,
         batch_errors={"calibration": tuple(calibration_errors), "held_out": tuple(held_errors)},
+        reference="eager" if eager_reference else "float32",
+        compile=compile_options,
+        compiles=runner.compiles,
+        node_compiles=runner.node_compiles,
+        compile_seconds=runner.compile_seconds,
     )
+
+
+@contextmanager
+def _compiled_left_behind(compile_options: dict[str, Any] | None) -> Iterator[None]:
+    """With compile=, Dynamo reset at the end too: no code compiled around advise's scopes stays cached."""
+    try:
+        yield
+    finally:
+        if compile_options is not None:
+            torch.compiler.reset()
 
 
 def _prefix(ranked: list[int], n: int, inside: dict[int, set[int]]) -> list[int]:
