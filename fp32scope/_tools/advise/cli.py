@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 
-from fp32scope._tools.advise.arguments import _check_fast, _check_inputs, _check_margin, _check_tolerance
+from fp32scope._tools.advise.arguments import (
+    _check_compile,
+    _check_fast,
+    _check_inputs,
+    _check_margin,
+    _check_reference,
+    _check_tolerance,
+)
 from fp32scope._tools.advise.search import advise
 from fp32scope._tools.doctor import load_model
 from fp32scope._tools.targets import TargetError, call_factory, one_line, resolve
@@ -24,7 +31,9 @@ Find which nodes of a model need full float32: run the model on the given batche
 float32 (the reference, twice), at the fast setting (--fast, --autocast), and under
 candidate policies, and print each node's sensitivity and a policy, 1-minimal on the
 --inputs batches, that keeps the error within --tolerance / --margin there; then measure
-it on the --held-out batches."""
+it on the --held-out batches. With --compile the fast runs are the model compiled whole
+(torch.compile), and with --reference eager the reference is the model run eagerly at the
+fast setting: the policy keeps eager the nodes whose compiled results drift."""
 
 EPILOG = """\
 MODULE:ATTR targets: the model is a torch.nn.Module, or a function or class returning one
@@ -37,6 +46,11 @@ run(model, *args, **kwargs) -> output are callables, taken as they are.
 autocast=False when --autocast is given); --report FILE.json writes the whole advice
 (fp32scope.Fp32Advice.from_json reads it; its "policy" is what --output writes). Every
 output path is checked before the model is built.
+
+--compile-option KEY=VALUE (repeatable; implies --compile) passes one torch.compile
+keyword argument: VALUE is read as JSON where it is JSON (true, false, null, numbers,
+{"...": ...}) and as a string otherwise, e.g. --compile-option fullgraph=true
+--compile-option backend=aot_eager --compile-option mode=max-autotune-no-cudagraphs.
 
 Exit status: 0 when the policy meets the tolerance on every batch (an empty policy
 included), 1 when it does not, 2 when anything is refused or raises: a bad option, a
@@ -66,6 +80,21 @@ def add_arguments(parser: Any) -> None:
         dest="run_target",
         metavar="MODULE:ATTR",
         help="run(model, *args, **kwargs) replaces the model's call",
+    )
+    parser.add_argument("--compile", action="store_true", help="the fast runs are the model compiled whole")
+    parser.add_argument(
+        "--compile-option",
+        dest="compile_options",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="a torch.compile keyword argument (repeatable; implies --compile; VALUE as JSON, else a string)",
+    )
+    parser.add_argument(
+        "--reference",
+        metavar="float32|eager",
+        default="float32",
+        help="measure against the model in full float32 (default) or run eagerly at the fast setting (needs --compile)",
     )
     parser.add_argument("--output", metavar="FILE.json", help="write the policy as JSON")
     parser.add_argument("--report", metavar="FILE.json", help="write the whole advice as JSON")
@@ -136,7 +165,40 @@ def _options(args: Any) -> dict[str, Any]:  # noqa: C901  (one check per option)
         raise _RefusedError(
             f"--margin {args.margin}", str(error) if "margin" in str(error) else "not a number"
         ) from None
-    return {"fast": fast, "autocast": dtype, "tolerance": tolerance, "margin": margin}
+    compile_options = _compile_options(args)
+    try:
+        _check_reference(args.reference, compile_options)
+    except (TypeError, ValueError) as error:
+        raise _RefusedError(f"--reference {args.reference}", str(error)) from None
+    return {
+        "fast": fast,
+        "autocast": dtype,
+        "tolerance": tolerance,
+        "margin": margin,
+        "compile": compile_options if compile_options is not None else False,
+        "reference": args.reference,
+    }
+
+
+def _compile_options(args: Any) -> dict[str, Any] | None:
+    """torch.compile's keyword arguments from --compile and --compile-option (None: neither given)."""
+    if not args.compile and not args.compile_options:
+        return None
+    options: dict[str, Any] = {}
+    for item in args.compile_options:
+        key, equals, text = item.partition("=")
+        if not equals or not key:
+            raise _RefusedError(f"--compile-option {item}", "expected KEY=VALUE, e.g. fullgraph=true")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text  # a word: backend=inductor, mode=max-autotune
+        options[key] = value
+    try:
+        checked = _check_compile(options)
+    except (TypeError, ValueError) as error:
+        raise _RefusedError(f"--compile-option {' '.join(args.compile_options)}", str(error)) from None
+    return checked
 
 
 def _targets(args: Any) -> dict[str, Any]:
@@ -189,7 +251,8 @@ def run(args: Any) -> int:
     if args.output is not None:
         Path(args.output).write_text(json.dumps(advice.policy, indent=2) + "\n", encoding="utf-8")
         hint = ", autocast=False" if advice.autocast is False else ""
-        print(f"wrote {args.output}: fp32scope.scope_modules(model, json.load(f){hint})")
+        then = "; then torch.compile the model as measured" if advice.compile is not None else ""
+        print(f"wrote {args.output}: fp32scope.scope_modules(model, json.load(f){hint}){then}")
     if args.report is not None:
         Path(args.report).write_text(advice.to_json() + "\n", encoding="utf-8")
         print(f"wrote {args.report}: fp32scope.Fp32Advice.from_json(text)")

@@ -181,6 +181,39 @@ def advise(  # noqa: PLR0913, PLR0915  (one public entry point: check, measure, 
     advise keeps on the CPU; attributes the model sets on itself are not tracked. Every
     argument is checked before the model runs. ``progress`` (None: when stderr is a
     terminal) shows a one-line count of runs on stderr.
+
+    ``compile`` (True: torch.compile's defaults, Inductor; or a mapping of torch.compile's
+    keyword arguments, ``{"fullgraph": True, "mode": ..., "backend": ...}``) makes every fast
+    run the model compiled whole with those arguments; a fast setting equal to full float32
+    is then not refused (the compile is the difference). ``reference`` says what the errors
+    are measured against: ``"float32"`` (the default; the model in full float32, eagerly) or
+    ``"eager"`` (needs ``compile``: the same model run eagerly at the fast setting, precision
+    and autocast as given, so that only the compile differs). With ``compile``:
+
+    * candidates (by default) are also the submodules whose forward, less their submodules,
+      does floating-point work of its own of any kind (pointwise, reductions, dtype casts;
+      not only matmuls): a rotary embedding or a timestep sinusoid has no parameters and no
+      matmul, and is what a compiler fuses;
+    * a node's sensitivity is the error of the model run eagerly at the reference's setting
+      with only that node compiled (alone, with those arguments less ``fullgraph``, at the
+      fast setting), its candidate submodules kept eager inside it: one compile per
+      candidate, of the node only;
+    * every policy is measured on the model scoped with it and compiled whole, afresh
+      (``torch.compiler.reset()`` first: nothing compiled under another policy is reused), a
+      policy once over its batches; a kept node is ``"eager"`` (``reference="eager"``: it
+      runs as eager runs it, one opaque region of the compiled graph) or a full float32
+      in-graph region (``{"matmul": "highest", "cudnn_allow_tf32": False, "in_graph":
+      True}``);
+    * whole-model compiles: one with every node compiled, one with every candidate kept, one
+      per bisection step (at most ``ceil(log2(n + 1))`` for ``n`` candidates), one per
+      pruning check (one per node of the grown policy, and a pass more for each pass that
+      drops a node) and one for the held-out batches; ``advice.compiles``,
+      ``advice.node_compiles`` and ``advice.compile_seconds`` (seconds in runs of compiled
+      code, compiles included) report them.
+
+    Dynamo is reset before each compile and once more when advise returns: code the caller
+    compiled before is compiled again at its next call. Compiled random ops (dropout) draw
+    other numbers than eager ones: measure a model in eval mode.
     """
     started = time.perf_counter()
     root = _check_model(model)

@@ -1,0 +1,227 @@
+"""``advise(..., compile=..., reference="eager")``: find the nodes whose compiled results drift, keep them eager.
+
+The model (``advise_compiled.RopeNet``, bf16) is two pointwise blocks between three linears.
+Its control, measured here: compiled whole with Inductor, it drifts from the same model run
+eagerly (skipped, with the figure, on a CPU where it does not). What the advised policy
+promises is measured here too, with this file's own compiles and error, not advise's:
+scoped with it and compiled whole, the model is within the tolerance of eager; without any
+one of its nodes, it is not. Inductor compiles C++ on the CPU: one advise run with Inductor
+is shared by the tests of its result (a module-scoped fixture); the plumbing tests use
+Dynamo's ``eager`` backend or ``aot_eager``, which compile no code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import fp32scope
+from fp32scope import Fp32Precision, scope_modules, unscope_modules
+from tests._support import advise_compiled as compiled
+from tests._support import advise_models as models
+from tests._support.advise_checks import Snapshot
+
+pytestmark = [pytest.mark.compile]
+
+TOLERANCE = 1e-3
+BF16 = torch.bfloat16
+REGION = {"matmul": "highest", "cudnn_allow_tf32": False, "in_graph": True}
+
+
+def _relative(output: torch.Tensor, reference: torch.Tensor) -> float:
+    diff = float((output.double() - reference.double()).norm())
+    return diff / float(reference.double().norm())
+
+
+def compiled_error(model: torch.nn.Module, batches: list[torch.Tensor], policy: dict[str, Any]) -> float:
+    """The largest error over ``batches`` of the model scoped with ``policy`` and compiled whole, vs eager."""
+    with torch.no_grad():
+        references = [model(x) for x in batches]
+        torch.compiler.reset()
+        if policy:
+            scope_modules(model, policy)
+        try:
+            fast = torch.compile(model)
+            return max(_relative(fast(x), r) for x, r in zip(batches, references, strict=True))
+        finally:
+            unscope_modules(model)
+            torch.compiler.reset()
+
+
+class _Counted:
+    """torch.compile, counting what it compiles: the model whole, or one node alone."""
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        self.root = root
+        self.whole = 0
+        self.alone: list[str] = []
+        self.real: Callable[..., Any] = torch.compile
+
+    def __call__(self, module: torch.nn.Module, **options: Any) -> Any:
+        if module is self.root:
+            self.whole += 1
+        else:
+            self.alone.append(type(module).__name__)
+        return self.real(module, **options)
+
+
+class Found:
+    def __init__(self) -> None:
+        self.model = compiled.rope_net()
+        self.batches = compiled.rope_batches()
+        self.held_out = compiled.rope_held_out()
+        self.control = compiled_error(self.model, self.batches + self.held_out, {})
+        snapshot = Snapshot(self.model)
+        counted = _Counted(self.model)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch, "compile", counted)
+            self.advice = fp32scope.advise(
+                self.model, self.batches, held_out=self.held_out, compile=True, reference="eager", tolerance=TOLERANCE
+            )
+        self.counted = counted
+        snapshot.assert_unchanged()  # the model as found: module objects, tensors, modes, flags, RNG
+
+
+@pytest.fixture(scope="module")
+def found() -> Iterator[Found]:
+    torch.compiler.reset()
+    result = Found()
+    if result.control <= TOLERANCE:
+        pytest.skip(f"this CPU's Inductor does not drift: compiled whole, RopeNet is {result.control:.3g} from eager")
+    yield result
+    torch.compiler.reset()
+
+
+def test_the_control_the_plain_compile_drifts_from_eager(found: Found) -> None:
+    assert found.control > TOLERANCE
+    assert math.isclose(found.advice.fast_error, compiled_error(found.model, found.batches, {}))
+
+
+def test_the_pointwise_blocks_are_candidates_and_the_advised_policy_keeps_them_eager(found: Found) -> None:
+    advice = found.advice
+    assert [n.name for n in advice.nodes] == ["before", "rope", "middle", "sinusoid", "after"]
+    assert {n.name: n.parameters for n in advice.nodes}["rope"] == 0
+    assert advice.policy == {"rope": "eager", "sinusoid": "eager"}
+    assert advice.autocast is None
+    assert advice.reference == "eager"
+    assert advice.compile == {}
+    assert advice.met
+
+
+def test_scoped_so_the_compiled_model_is_within_the_tolerance_of_eager(found: Found) -> None:
+    every = found.batches + found.held_out
+    assert compiled_error(found.model, every, found.advice.policy) <= TOLERANCE
+
+
+def test_the_policy_is_1_minimal(found: Found) -> None:
+    policy = found.advice.policy
+    target = TOLERANCE / found.advice.margin
+    for name in policy:
+        rest = {k: v for k, v in policy.items() if k != name}
+        assert compiled_error(found.model, found.batches, rest) > target, f"{name} can be dropped"
+
+
+def test_the_drifting_nodes_rank_first_and_the_linears_do_not_drift_alone(found: Found) -> None:
+    rows = {n.name: n for n in found.advice.nodes}
+    assert rows["rope"].sensitivity > TOLERANCE
+    assert rows["sinusoid"].sensitivity > TOLERANCE
+    assert all(rows[name].sensitivity < TOLERANCE for name in ("before", "middle", "after"))
+
+
+def test_compiles_are_counted_and_within_the_bound(found: Found) -> None:
+    advice, counted = found.advice, found.counted
+    assert advice.compiles == counted.whole
+    assert advice.node_compiles == len(counted.alone) == len(advice.nodes)
+    assert sorted(counted.alone) == sorted(n.type for n in advice.nodes)
+    n, k = len(advice.nodes), len(advice.policy)
+    assert advice.compiles <= 2 * math.log2(n) + k + 4
+    assert 0 < advice.compile_seconds <= advice.seconds
+    assert f"{advice.compiles} whole-model compile(s), {advice.node_compiles} node compile(s)" in advice.table()
+
+
+def test_the_json_round_trip_and_scope_modules_take_the_eager_policy(found: Found) -> None:
+    advice = found.advice
+    text = advice.to_json()
+    assert json.loads(text)["policy"] == {"rope": "eager", "sinusoid": "eager"}
+    again = fp32scope.Fp32Advice.from_json(text)
+    assert again == advice
+    model = compiled.rope_net()
+    assert scope_modules(model, json.loads(text)["policy"]) == {"rope": Fp32Precision(), "sinusoid": Fp32Precision()}
+    assert unscope_modules(model) == ["rope", "sinusoid"]
+
+
+def test_the_full_float32_reference_keeps_full_float32_regions_of_the_compiled_model() -> None:
+    # The model is bf16, so full float32 flags change none of its math: the full float32
+    # reference is eager, and the drifting blocks are the nodes to keep, as regions.
+    model, batches = compiled.rope_net(), compiled.rope_batches()
+    control = compiled_error(model, batches, {})
+    if control <= TOLERANCE:
+        pytest.skip(f"this CPU's Inductor does not drift: compiled whole, RopeNet is {control:.3g} from eager")
+    advice = fp32scope.advise(model, batches, compile=True, tolerance=TOLERANCE)
+    assert advice.policy == {"rope": REGION, "sinusoid": REGION}
+    assert advice.reference == "float32"
+    assert advice.met
+    assert advice.fast.matmul == "highest"  # the fast setting is full float32: not refused, the compile differs
+    assert compiled_error(model, batches, advice.policy) <= TOLERANCE
+
+
+# -- without code generation: Dynamo's eager backend, AOTAutograd's aot_eager ------------------
+
+
+def test_with_compile_every_module_doing_floating_point_work_is_a_candidate() -> None:
+    model = models.Block()
+    advice = fp32scope.advise(
+        model, models.block_batch(), autocast=BF16, compile={"backend": "eager"}, reference="eager"
+    )
+    # The ReLU does pointwise work of its own (not a candidate without compile=); mlp, a
+    # Sequential, none. Dynamo's eager backend runs the graph as eager does: nothing drifts.
+    assert [n.name for n in advice.nodes] == ["attn", "attn.q", "attn.k", "attn.v", "mlp.0", "mlp.1", "head"]
+    assert advice.fast_error == 0
+    assert advice.policy == {}
+    assert advice.compile == {"backend": "eager"}
+    assert advice.compiles == 1  # every node compiled; the empty policy is that run, cached
+    assert advice.node_compiles == 0  # nothing to search: no sensitivity measured
+
+
+def test_with_compile_and_autocast_the_old_question_is_asked_of_the_compiled_model() -> None:
+    model, batches = models.NearTieMoE(), models.near_tie_batches()
+    advice = fp32scope.advise(
+        model, batches, autocast=BF16, tolerance=models.ROUTER_TOLERANCE, compile={"backend": "aot_eager"}
+    )
+    assert advice.policy == {"router": REGION}
+    assert advice.autocast is False
+    assert advice.met
+    scoped = scope_modules(model, advice.policy, autocast=False)
+    assert scoped == {"router": Fp32Precision("highest", cudnn_allow_tf32=False)}
+    unscope_modules(model)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"reference": "eager"}, ValueError, "reference='eager' compares the compiled model"),
+        ({"reference": "float64"}, ValueError, "reference must be 'float32'"),
+        ({"reference": 32}, TypeError, "reference must be 'float32'"),
+        ({"compile": "inductor"}, TypeError, "compile must be False"),
+        ({"compile": {"fullgraf": True}}, ValueError, r"compile\['fullgraf'\] is not an argument of torch.compile"),
+        ({"compile": {1: True}}, TypeError, "keys must be torch.compile's keyword names"),
+    ],
+)
+def test_refusals_come_before_any_run(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    model = models.Raises()  # any run raises: a refusal must come first
+    with pytest.raises(error, match=match):
+        fp32scope.advise(model, models.near_tie_batch(), autocast=BF16, **kwargs)
+
+
+def test_a_full_float32_fast_setting_is_refused_without_compile_only() -> None:
+    model, batch = compiled.rope_net(), compiled.rope_batch()
+    with pytest.raises(ValueError, match="the fast setting is the reference itself"):
+        fp32scope.advise(model, batch, fast="highest")
+    advice = fp32scope.advise(model, batch, fast="highest", compile={"backend": "eager"})
+    assert advice.policy == {}
+    assert advice.met
