@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,9 +13,11 @@ import torch
 import fp32scope
 from fp32scope import scope_modules, unscope_modules
 from fp32scope.__main__ import main
+from tests._support import advise_compiled as compiled
 from tests._support import advise_models as models
 from tests._support.advise_checks import measured
 from tests._support.common import FULL
+from tests.tools.test_advise_compile import compiled_error
 
 KEPT = {"matmul": "highest", "cudnn_allow_tf32": False}
 BF16 = torch.bfloat16
@@ -81,6 +84,14 @@ CLI_REFUSALS = [
     ([f"{TARGET}:scoped_model"], "ValueError: model has scoped nodes already (router)"),
     ([f"{TARGET}:meta_model"], "ValueError: model has tensors on the meta device"),
     ([f"{TARGET}:NearTieMoE", "--loss", f"{TARGET}:failing_loss"], "ValueError: the loss fails"),
+    # compile= and the reference, checked before the model is built.
+    ([f"{TARGET}:Raises", "--reference", "eager"], "--reference eager: reference='eager' compares the compiled"),
+    ([f"{TARGET}:Raises", "--compile", "--reference", "fp64"], "--reference fp64: reference must be 'float32'"),
+    ([f"{TARGET}:Raises", "--compile-option", "fullgraph"], "--compile-option fullgraph: expected KEY=VALUE"),
+    (
+        [f"{TARGET}:Raises", "--compile-option", "fullgraf=true"],
+        "--compile-option fullgraf=true: compile['fullgraf'] is not an argument of torch.compile",
+    ),
 ]
 
 
@@ -163,3 +174,55 @@ def test_cli_held_out_miss_exits_1_naming_the_batch(capsys: pytest.CaptureFixtur
     assert "why: the policy misses the tolerance 0.02 on 3 of 3 held-out batch(es) (held-out batch 0: " in (
         capsys.readouterr().out
     )
+
+
+# -- --compile, --compile-option, --reference ----------------------------------------------------
+
+COMPILED = "tests._support.advise_compiled"
+
+
+@pytest.mark.compile
+def test_cli_compile_reference_eager_keeps_the_drifting_blocks_eager(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, report = tmp_path / "policy.json", tmp_path / "advice.json"
+    args = [f"{COMPILED}:rope_net", "--inputs", f"{COMPILED}:rope_batch", "--compile", "--reference", "eager"]
+    args += ["--output", str(out), "--report", str(report)]
+    control = compiled_error(compiled.rope_net(), [compiled.rope_batch()], {})
+    if control <= 1e-3:
+        pytest.skip(f"this CPU's Inductor does not drift: compiled whole, RopeNet is {control:.3g} from eager")
+    assert main(["advise", *args]) == 0
+    printed = capsys.readouterr().out
+    assert "reference: the model run eagerly at the fast setting" in printed
+    assert "compiled (torch.compile defaults): " in printed
+    assert json.loads(out.read_text()) == {"rope": "eager", "sinusoid": "eager"}
+    advice = fp32scope.Fp32Advice.from_json(report.read_text())
+    assert advice.reference == "eager"
+    assert advice.compile == {}
+    assert compiled_error(compiled.rope_net(), [compiled.rope_batch()], advice.policy) <= 1e-3
+
+
+@pytest.mark.compile
+def test_cli_compile_options_reach_torch_compile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[dict[str, Any]] = []
+    real = torch.compile
+
+    def counted(module: torch.nn.Module, **options: Any) -> Any:
+        seen.append(options)
+        return real(module, **options)
+
+    monkeypatch.setattr(torch, "compile", counted)
+    report = tmp_path / "advice.json"
+    args = [f"{TARGET}:NearTieMoE", "--inputs", f"{TARGET}:near_tie_batches", "--autocast", "bf16"]
+    args += ["--tolerance", "2e-2", "--compile-option", "backend=aot_eager", "--compile-option", "fullgraph=true"]
+    assert main(["advise", *args, "--report", str(report)]) == 0
+    assert "compiled (torch.compile backend='aot_eager', fullgraph=True): " in capsys.readouterr().out
+    assert seen
+    # Whole-model compiles get every option; a node compiled alone may break its graph.
+    assert all(o in ({"backend": "aot_eager", "fullgraph": True}, {"backend": "aot_eager"}) for o in seen)
+    assert {"backend": "aot_eager", "fullgraph": True} in seen
+    advice = fp32scope.Fp32Advice.from_json(report.read_text())
+    assert advice.compile == {"backend": "aot_eager", "fullgraph": True}
+    assert advice.policy == {"router": {**KEPT, "in_graph": True}}  # the full float32 reference: regions
