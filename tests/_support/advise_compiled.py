@@ -9,8 +9,11 @@ rotary embedding (pytorch issue 183122's pattern) and a sinusoidal timestep embe
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+
+from fp32scope import scope_modules, unscope_modules
 
 WIDTH = 64
 BF16 = torch.bfloat16
@@ -69,3 +72,23 @@ def rope_batch() -> torch.Tensor:
 
 def rope_held_out() -> list[torch.Tensor]:
     return rope_batches(1, seed=1)
+
+
+def _relative(output: torch.Tensor, reference: torch.Tensor) -> float:
+    diff = float((output.double() - reference.double()).norm())
+    return diff / float(reference.double().norm())
+
+
+def compiled_error(model: torch.nn.Module, batches: list[torch.Tensor], policy: dict[str, Any]) -> float:
+    """The largest error over ``batches`` of the model scoped with ``policy`` and compiled whole, vs eager."""
+    with torch.no_grad():
+        references = [model(x) for x in batches]
+        torch.compiler.reset()
+        if policy:
+            scope_modules(model, policy)
+        try:
+            fast = torch.compile(model)
+            return max(_relative(fast(x), r) for x, r in zip(batches, references, strict=True))
+        finally:
+            unscope_modules(model)
+            torch.compiler.reset()

@@ -16,8 +16,8 @@ from fp32scope.__main__ import main
 from tests._support import advise_compiled as compiled
 from tests._support import advise_models as models
 from tests._support.advise_checks import measured
+from tests._support.advise_compiled import compiled_error
 from tests._support.common import FULL
-from tests.tools.test_advise_compile import compiled_error
 
 KEPT = {"matmul": "highest", "cudnn_allow_tf32": False}
 BF16 = torch.bfloat16

@@ -25,32 +25,13 @@ from fp32scope import Fp32Precision, scope_modules, unscope_modules
 from tests._support import advise_compiled as compiled
 from tests._support import advise_models as models
 from tests._support.advise_checks import Snapshot
+from tests._support.advise_compiled import compiled_error
 
 pytestmark = [pytest.mark.compile]
 
 TOLERANCE = 1e-3
 BF16 = torch.bfloat16
 REGION = {"matmul": "highest", "cudnn_allow_tf32": False, "in_graph": True}
-
-
-def _relative(output: torch.Tensor, reference: torch.Tensor) -> float:
-    diff = float((output.double() - reference.double()).norm())
-    return diff / float(reference.double().norm())
-
-
-def compiled_error(model: torch.nn.Module, batches: list[torch.Tensor], policy: dict[str, Any]) -> float:
-    """The largest error over ``batches`` of the model scoped with ``policy`` and compiled whole, vs eager."""
-    with torch.no_grad():
-        references = [model(x) for x in batches]
-        torch.compiler.reset()
-        if policy:
-            scope_modules(model, policy)
-        try:
-            fast = torch.compile(model)
-            return max(_relative(fast(x), r) for x, r in zip(batches, references, strict=True))
-        finally:
-            unscope_modules(model)
-            torch.compiler.reset()
 
 
 class _Counted:
