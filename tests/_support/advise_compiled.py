@@ -79,7 +79,9 @@ def _relative(output: torch.Tensor, reference: torch.Tensor) -> float:
     return diff / float(reference.double().norm())
 
 
-def compiled_error(model: torch.nn.Module, batches: list[torch.Tensor], policy: dict[str, Any]) -> float:
+def compiled_error(
+    model: torch.nn.Module, batches: list[torch.Tensor], policy: dict[str, Any], **options: Any
+) -> float:
     """The largest error over ``batches`` of the model scoped with ``policy`` and compiled whole, vs eager."""
     with torch.no_grad():
         references = [model(x) for x in batches]
@@ -87,7 +89,7 @@ def compiled_error(model: torch.nn.Module, batches: list[torch.Tensor], policy: 
         if policy:
             scope_modules(model, policy)
         try:
-            fast = torch.compile(model)
+            fast = torch.compile(model, **options)
             return max(_relative(fast(x), r) for x, r in zip(batches, references, strict=True))
         finally:
             unscope_modules(model)

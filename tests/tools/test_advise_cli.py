@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -209,6 +210,7 @@ def test_cli_compile_options_reach_torch_compile(
     seen: list[dict[str, Any]] = []
     real = torch.compile
 
+    @functools.wraps(real)  # its signature is torch.compile's: advise checks the options against it
     def counted(module: torch.nn.Module, **options: Any) -> Any:
         seen.append(options)
         return real(module, **options)

@@ -12,9 +12,11 @@ Dynamo's ``eager`` backend or ``aot_eager``, which compile no code.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,6 +28,7 @@ from tests._support import advise_compiled as compiled
 from tests._support import advise_models as models
 from tests._support.advise_checks import Snapshot
 from tests._support.advise_compiled import compiled_error
+from tests._support.common import ROOT
 
 pytestmark = [pytest.mark.compile]
 
@@ -41,14 +44,17 @@ class _Counted:
         self.root = root
         self.whole = 0
         self.alone: list[str] = []
-        self.real: Callable[..., Any] = torch.compile
+        real = torch.compile
 
-    def __call__(self, module: torch.nn.Module, **options: Any) -> Any:
-        if module is self.root:
-            self.whole += 1
-        else:
-            self.alone.append(type(module).__name__)
-        return self.real(module, **options)
+        @functools.wraps(real)  # its signature is torch.compile's: advise checks compile= against it
+        def counted(module: torch.nn.Module, **options: Any) -> Any:
+            if module is self.root:
+                self.whole += 1
+            else:
+                self.alone.append(type(module).__name__)
+            return real(module, **options)
+
+        self.compile = counted
 
 
 class Found:
@@ -60,7 +66,7 @@ class Found:
         snapshot = Snapshot(self.model)
         counted = _Counted(self.model)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(torch, "compile", counted)
+            patch.setattr(torch, "compile", counted.compile)
             self.advice = fp32scope.advise(
                 self.model, self.batches, held_out=self.held_out, compile=True, reference="eager", tolerance=TOLERANCE
             )
@@ -94,9 +100,9 @@ def test_the_pointwise_blocks_are_candidates_and_the_advised_policy_keeps_them_e
     assert advice.met
 
 
-def test_scoped_so_the_compiled_model_is_within_the_tolerance_of_eager(found: Found) -> None:
+def test_scoped_so_the_compiled_model_is_within_the_tolerance_of_eager_in_one_graph(found: Found) -> None:
     every = found.batches + found.held_out
-    assert compiled_error(found.model, every, found.advice.policy) <= TOLERANCE
+    assert compiled_error(found.model, every, found.advice.policy, fullgraph=True) <= TOLERANCE
 
 
 def test_the_policy_is_1_minimal(found: Found) -> None:
@@ -134,6 +140,50 @@ def test_the_json_round_trip_and_scope_modules_take_the_eager_policy(found: Foun
     model = compiled.rope_net()
     assert scope_modules(model, json.loads(text)["policy"]) == {"rope": Fp32Precision(), "sinusoid": Fp32Precision()}
     assert unscope_modules(model) == ["rope", "sinusoid"]
+    assert again.apply(model) == {"rope": Fp32Precision(), "sinusoid": Fp32Precision()}
+    assert all(isinstance(m, fp32scope.Fp32ScopedModule) for m in (model.rope, model.sinusoid))
+    unscope_modules(model)
+
+
+def test_the_howto_shows_this_advice(found: Found) -> None:
+    # The how-to's figures are one CPU's; its nodes, what is kept, the policy and the compiles are this run's.
+    page = (ROOT / "docs" / "howto" / "find_fp32_nodes.rst").read_text()
+    start = page.index("    node      class     params  FLOPs  sensitivity  kept")
+    shown = page[start : page.index("\n\n", page.index("compiled (torch.compile", start))].splitlines()
+    table = found.advice.table().splitlines()
+
+    def cells(lines: list[str]) -> list[list[str]]:
+        rows = [line.split() for line in lines[2 : 2 + len(found.advice.nodes)]]
+        return [[*row[:3], row[-1] if row[-1] == "yes" else ""] for row in rows]
+
+    assert cells([line.strip() for line in shown]) == cells(table)
+    seconds = r",? [0-9.]+ s in compiled runs| \([0-9]+ runs, [0-9.]+ s\)"  # the machine's
+    block = re.sub(seconds, "", " ".join(" ".join(shown).split()))
+    for prefix in ("advised: ", "advised error: ", "reference: ", "compiled (torch.compile "):
+        line = next(line for line in table if line.startswith(prefix))
+        assert re.sub(seconds, "", line) in block
+    assert '``{"rope": "eager", "sinusoid": "eager"}``' in page
+    assert found.advice.policy == {"rope": "eager", "sinusoid": "eager"}
+    assert found.advice.met
+
+
+def test_dynamo_is_reset_when_advise_returns() -> None:
+    calls: list[int] = []
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    def backend(graph: torch.fx.GraphModule, _inputs: Any) -> Any:
+        calls.append(1)
+        return graph.forward
+
+    fast = torch.compile(double, backend=backend)
+    fast(torch.ones(3))
+    fast(torch.ones(3))
+    assert calls == [1]  # the control: compiled once, then cached
+    fp32scope.advise(models.NearTieMoE(), models.near_tie_batch(), autocast=BF16, compile={"backend": "eager"})
+    fast(torch.ones(3))
+    assert calls == [1, 1]  # compiled again: advise left nothing compiled behind, the caller's code neither
 
 
 def test_the_full_float32_reference_keeps_full_float32_regions_of_the_compiled_model() -> None:

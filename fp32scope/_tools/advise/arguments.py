@@ -168,10 +168,6 @@ def _check_callable(value: object, name: str, shape: str) -> Callable[..., Any] 
     raise TypeError(msg)
 
 
-#: torch.compile's keyword arguments in this torch (read once: a wrapper put in its place keeps them).
-_COMPILE_KEYWORDS = tuple(name for name in inspect.signature(torch.compile).parameters if name != "model")
-
-
 def _check_compile(compile: object) -> dict[str, Any] | None:  # noqa: A002  (advise's argument)
     """torch.compile's keyword arguments for the fast runs (None: eager, ``compile=False``)."""
     if compile is False or compile is None:
@@ -179,7 +175,8 @@ def _check_compile(compile: object) -> dict[str, Any] | None:  # noqa: A002  (ad
     if compile is True:
         return {}
     if isinstance(compile, Mapping):
-        known = _COMPILE_KEYWORDS
+        # torch.compile's keyword arguments in this torch (through a functools.wraps wrapper, the wrapped one's).
+        known = [name for name in inspect.signature(torch.compile).parameters if name != "model"]
         for key in compile:
             if not isinstance(key, str):
                 msg = f"compile is a mapping, so its keys must be torch.compile's keyword names (str); got {key!r}."

@@ -212,8 +212,7 @@ def advise(  # noqa: PLR0913, PLR0915  (one public entry point: check, measure, 
       code, compiles included) report them.
 
     Dynamo is reset before each compile and once more when advise returns: code the caller
-    compiled before is compiled again at its next call. Compiled random ops (dropout) draw
-    other numbers than eager ones: measure a model in eval mode.
+    compiled before is compiled again at its next call.
     """
     started = time.perf_counter()
     root = _check_model(model)
