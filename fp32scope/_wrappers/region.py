@@ -131,13 +131,17 @@ class _Saved:
 class _Layout:
     """How a call's arguments are rebuilt from the op's tensors: the graph's constants."""
 
-    __slots__ = ("kw_names", "n_args", "plain", "slots")
+    __slots__ = ("kw_names", "n_args", "plain", "slots", "spec")
 
-    def __init__(self, n_args: int, kw_names: tuple[str, ...], slots: tuple[Any, ...]) -> None:
+    def __init__(self, n_args: int, kw_names: tuple[str, ...], slots: tuple[Any, ...], spec: Any) -> None:
         self.n_args = n_args
         self.kw_names = kw_names
-        self.slots = slots  # per argument: _TENSOR (the op's next tensor), _SYMINT (its next int) or the constant
-        self.plain = not kw_names and all(s is _TENSOR for s in slots)
+        # Per leaf of the arguments (flattened as torch's pytree does: tuples, lists, dicts,
+        # named tuples, dataclasses registered with it): _TENSOR (the op's next tensor),
+        # _SYMINT (its next int) or the constant.
+        self.slots = slots
+        self.spec = spec  # the arguments' structure; None where each argument is one leaf
+        self.plain = not kw_names and spec is None and all(s is _TENSOR for s in slots)
 
 
 def _forward_of(module: Any) -> Callable[..., Any]:
@@ -177,38 +181,52 @@ class Region:
 
     # -- trace time ---------------------------------------------------------------------
 
-    def layout_id(self, n_args: int, kw_names: tuple[str, ...], values: tuple[Any, ...]) -> int:
-        """The number of the layout of a call's arguments (tensors, and constants by value)."""
+    def layout_id(self, n_args: int, kw_names: tuple[str, ...], values: tuple[Any, ...]) -> tuple[int, list[Any]]:
+        """The number of the layout of a call's arguments (tensors, and constants by value), and their leaves."""
+        if all(isinstance(v, torch.Tensor) for v in values):  # the usual call: no structure to keep
+            leaves: list[Any] = list(values)
+            spec = None
+        else:
+            leaves, tree = _pytree.tree_flatten(list(values))
+            flat = len(leaves) == len(values) and all(v is leaf for v, leaf in zip(values, leaves, strict=True))
+            spec = None if flat else tree
         slots: list[Any] = []
-        for position, value in enumerate(values):
-            if isinstance(value, torch.Tensor):
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
                 slots.append(_TENSOR)
-            elif isinstance(value, _CONSTANTS):
-                slots.append(value)
-            elif isinstance(value, torch.SymInt):  # an int that varies between calls: an op input
+            elif isinstance(leaf, _CONSTANTS):
+                slots.append(leaf)
+            elif isinstance(leaf, torch.SymInt):  # an int that varies between calls: an op input
                 slots.append(_SYMINT)
             else:
-                where = (
-                    f"argument {position}" if position < n_args else f"keyword argument {kw_names[position - n_args]!r}"
-                )
-                msg = (
-                    f"Scoped node {self.name!r} was called with {where} of type {type(value).__name__} ({value!r}) "
-                    "inside a compiled graph with in_graph=True. An in-graph region takes tensors, ints and constants "
-                    "(None, bool, int, float, str, torch.dtype, torch.device) as arguments; pass the others as "
-                    "tensors, or wrap the node with in_graph=False (a graph break around the node)."
-                )
-                if isinstance(value, torch.SymFloat):
-                    msg += (
-                        " A float that varies between calls is symbolic under torch.compile: pass it as a tensor, "
-                        "or set torch._dynamo.config.specialize_float = True (a graph per value)."
-                    )
-                raise Fp32ScopeError(msg)
-        key = (n_args, kw_names, tuple((type(s), s) for s in slots))
+                self._refuse_argument(n_args, kw_names, values, leaf)
+        key = (n_args, kw_names, None if spec is None else str(spec), tuple((type(s), s) for s in slots))
         found = self._layout_ids.get(key)
         if found is None:
             found = self._layout_ids[key] = len(self.layouts)
-            self.layouts.append(_Layout(n_args, kw_names, tuple(slots)))
-        return found
+            self.layouts.append(_Layout(n_args, kw_names, tuple(slots), spec))
+        return found, leaves
+
+    def _refuse_argument(self, n_args: int, kw_names: tuple[str, ...], values: tuple[Any, ...], leaf: object) -> None:
+        position = next(i for i, value in enumerate(values) if any(x is leaf for x in _pytree.tree_flatten(value)[0]))
+        where = f"argument {position}" if position < n_args else f"keyword argument {kw_names[position - n_args]!r}"
+        container = values[position]
+        # (Dynamo hands lists in as FX's immutable_list, dicts as immutable_dict.)
+        kind = next((k.__name__ for k in (list, tuple, dict) if isinstance(container, k)), type(container).__name__)
+        inside = "" if container is leaf else f" (inside a {kind})"
+        msg = (
+            f"Scoped node {self.name!r} was called with {where} of type {type(leaf).__name__}{inside} ({leaf!r}) "
+            "inside a compiled graph with in_graph=True. An in-graph region takes tensors, ints and constants "
+            "(None, bool, int, float, str, torch.dtype, torch.device), also in tuples, lists and dicts, as "
+            "arguments; pass the others as tensors, or wrap the node with in_graph=False (a graph break around "
+            "the node)."
+        )
+        if isinstance(leaf, torch.SymFloat):
+            msg += (
+                " A float that varies between calls is symbolic under torch.compile: pass it as a tensor, "
+                "or set torch._dynamo.config.specialize_float = True (a graph per value)."
+            )
+        raise Fp32ScopeError(msg)
 
     def counts(self) -> tuple[int, int]:
         """How many parameters and buffers the node has (shared ones once)."""
@@ -251,6 +269,8 @@ class Region:
             return tensors, {}
         it, numbers = iter(tensors), iter(ints)
         values = [next(it) if s is _TENSOR else next(numbers) if s is _SYMINT else s for s in spec.slots]
+        if spec.spec is not None:
+            values = _pytree.tree_unflatten(values, spec.spec)
         n = spec.n_args
         return values[:n], dict(zip(spec.kw_names, values[n:], strict=True))
 
@@ -404,17 +424,23 @@ def _outside_tensor_message(region: Region, what: str) -> str:
 
 
 def _aliases(op: _Op, grad_mask: int) -> list[torch.Tensor]:
-    """Swap the op's inputs that need a gradient for detached aliases; the aliases."""
+    """Swap the op's inputs for what the kept graph may hold; the ones that need a gradient.
+
+    Every tensor argument becomes a copy: the kept graph holds what it saves until the
+    backward, and the compiled graph around the op may reuse an argument's memory once the
+    op has run (Inductor does; it may even recompute a saved argument in the backward
+    rather than keep it), unseen by that graph. Parameters, which the compiled graph takes
+    as inputs and never reuses, become detached aliases where they need a gradient.
+    """
     aliases: list[torch.Tensor] = []
     n = len(op.tensors)
-    op.tensors = list(op.tensors)
+    op.tensors = [t.detach().clone().requires_grad_(bool(grad_mask >> i & 1)) for i, t in enumerate(op.tensors)]
     op.params = list(op.params)
     for i in range(n + len(op.params)):
         if grad_mask >> i & 1:
-            source, j = (op.tensors, i) if i < n else (op.params, i - n)
-            alias = source[j].detach().requires_grad_()
-            source[j] = alias
-            aliases.append(alias)
+            if i >= n:
+                op.params[i - n] = op.params[i - n].detach().requires_grad_()
+            aliases.append(op.tensors[i] if i < n else op.params[i - n])
     return aliases
 
 
@@ -731,9 +757,9 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
     end = len(values) - n_params - n_buffers
     params = list(values[end : end + n_params])
     buffers = list(values[end + n_params :])
-    layout = region.layout_id(n_args, kw_names, values[:end])
-    tensors = [v for v in values[:end] if isinstance(v, torch.Tensor)]
-    ints = [v for v in values[:end] if isinstance(v, torch.SymInt)]
+    layout, leaves = region.layout_id(n_args, kw_names, values[:end])
+    tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+    ints = [v for v in leaves if isinstance(v, torch.SymInt)]
     autocast = _autocast_state()
     if autocast:
         warn_once_under_autocast(region.policy)
@@ -752,11 +778,11 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
     n_out = len(out) - len(found)
     for i, update in zip(found, out[n_out:], strict=True):
         buffers[i].copy_(update)
-    spec, leaves = region.out_specs[layout]
+    spec, out_leaves = region.out_specs[layout]
     if spec is None:
         return out[0]
     it = iter(out[:n_out])
-    return _pytree.tree_unflatten([next(it) if leaf is _TENSOR else leaf for leaf in leaves], spec)
+    return _pytree.tree_unflatten([next(it) if leaf is _TENSOR else leaf for leaf in out_leaves], spec)
 
 
 def traced_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -11,7 +11,7 @@ import torch
 
 from tests._support.releases import TORCH_RELEASE
 
-__all__ = ["gpt2_unavailable", "tiny_gpt2"]
+__all__ = ["gpt2_unavailable", "tiny_gpt2", "tiny_llama"]
 
 
 def gpt2_unavailable() -> str | None:
@@ -40,3 +40,22 @@ def tiny_gpt2() -> Any:
     )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).eval()
+
+
+def tiny_llama() -> Any:
+    """A tiny two-layer Llama with random weights (no download), or a skip that says why there is none."""
+    reason = gpt2_unavailable()  # the same check: transformers' models run on this torch
+    if reason is not None:
+        pytest.skip(reason.replace("GPT-2", "Llama"))
+    transformers = importlib.import_module("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()

@@ -236,6 +236,35 @@ def test_a_tensor_passed_by_keyword_gets_its_gradient(backend: str) -> None:
     _check(backend, Scaled(), call)
 
 
+class Rotary(torch.nn.Module):
+    """Takes its rotary embedding as a tuple ``(cos, sin)`` that needs no gradient, and keeps it for its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], *, scale: float) -> torch.Tensor:
+        cos, sin = rotary
+        q = probe(self.linear(x), "node")
+        first, second = q.chunk(2, dim=-1)
+        out: torch.Tensor = (q * cos + torch.cat((-second, first), dim=-1) * sin) * scale
+        return out
+
+
+def _rotary_call(parent: Parent, h: torch.Tensor) -> torch.Tensor:
+    # cos and sin are made in the compiled graph and used by nothing after the node: their
+    # memory is free for the graph's later buffers once the node's op has run.
+    angles = torch.arange(WIDTH, dtype=h.dtype) * 0.1 + h.detach()[:, :1]
+    out = parent.node(h, (angles.cos(), angles.sin()), scale=0.5)
+    later = parent.pre(torch.tanh(out))  # new buffers of cos's and sin's size
+    return _sum_of(parent.pre(later))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tuple_argument_the_node_keeps_for_its_backward_stays_its_own(backend: str) -> None:
+    _check(backend, Rotary(), _rotary_call)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_one_region_called_twice_on_one_input_has_a_backward_for_each_call(backend: str) -> None:
     def call(parent: Parent, h: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""Hugging Face attentions as in-graph regions: a compiled training step with ``fullgraph=True``.
+
+An attention takes more than tensors: Llama's and Mixtral's take their rotary embedding as
+a tuple ``(cos, sin)``, and all take ``None`` and constants by keyword. Each model is
+compiled whole with every attention a region in full float32, under a TF32 default, and
+compared step by step with its twin scoped eagerly (the wrappers' own tests check those
+against hand-set precisions): loss and every gradient. A forward hook on each bare attention
+passes its output through a probe, which reads the precision where the attention runs,
+forward and backward.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from fp32scope import current_fp32_precision, scope_modules, set_process_default
+from tests._support import probe as _probe
+from tests._support.advise_models import tiny_mixtral
+from tests._support.common import DEFAULT, FULL
+from tests._support.hf import tiny_gpt2, tiny_llama
+from tests._support.probe import phases, probe
+
+pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
+
+KEPT = {"matmul": "highest", "cudnn_allow_tf32": False}
+
+#: Each model: how to build it, and the pattern naming its attentions.
+MODELS: dict[str, tuple[Callable[[], Any], str]] = {
+    "llama": (tiny_llama, r"re:model\.layers\.\d+\.self_attn"),
+    "gpt2": (tiny_gpt2, r"re:transformer\.h\.\d+\.attn"),
+    "mixtral": (tiny_mixtral, r"re:model\.layers\.\d+\.self_attn"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _clear_probes() -> None:
+    _probe.SEEN.clear()
+
+
+def _probe_attentions(model: torch.nn.Module, pattern: str) -> None:
+    import re
+
+    def hook(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
+        return (probe(output[0], "attention"), *output[1:])
+
+    for name, module in model.named_modules():
+        if re.fullmatch(pattern.removeprefix("re:"), name):
+            module.register_forward_hook(hook)
+
+
+def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    # The next-token loss, taken outside the model (a model's own loss may warn once inside
+    # its forward, which Dynamo cannot trace with fullgraph=True, fp32scope or not).
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_attentions_as_regions_train_as_their_eager_scoped_twin(name: str) -> None:
+    build, pattern = MODELS[name]
+    set_process_default(DEFAULT)
+    model = build()
+    _probe_attentions(model, pattern)
+    twin = copy.deepcopy(model)
+    scope_modules(model, {pattern: KEPT}, in_graph=True)
+    scope_modules(twin, {pattern: KEPT})
+    compiled = torch.compile(model, fullgraph=True)
+    vocab = model.config.vocab_size
+    for step in range(2):
+        ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(step))
+        _probe.SEEN.clear()
+        for m in (model, twin):
+            m.zero_grad(set_to_none=True)
+        loss = _loss(compiled(input_ids=ids, use_cache=False).logits, ids)
+        torch.autograd.backward(loss)
+        assert phases("fwd")["attention"] == [FULL] * 2  # each layer's attention, in its precision
+        assert phases("bwd")["attention"] == [FULL] * 2
+        assert current_fp32_precision() == DEFAULT
+        expected = _loss(twin(input_ids=ids, use_cache=False).logits, ids)
+        torch.autograd.backward(expected)
+        torch.testing.assert_close(loss, expected)
+        for (pname, got), want in zip(model.named_parameters(), twin.parameters(), strict=True):
+            assert (got.grad is None) == (want.grad is None), pname
+            if got.grad is not None:
+                torch.testing.assert_close(got.grad, want.grad, msg=f"{pname}.grad, step {step}")
+    assert sum(counters["graph_break"].values()) == 0
