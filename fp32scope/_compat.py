@@ -127,6 +127,7 @@ HAS_BFX9: Final[bool] = _has_bfx9()
 #: else through the cuBLAS TF32 bool, whose setter writes "high" for True (torch 2.4 to 2.8).
 DYNAMO_RESETS_MEDIUM: Final[bool] = not HAS_PER_BACKEND_API
 
+
 def dynamo_shows_disable_reason() -> bool:
     """Whether Dynamo's error for a call of a ``torch.compiler.disable``'d function shows its reason.
 

@@ -12,6 +12,7 @@ forward and backward.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -44,8 +45,6 @@ def _clear_probes() -> None:
 
 
 def _probe_attentions(model: torch.nn.Module, pattern: str) -> None:
-    import re
-
     def hook(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
         return (probe(output[0], "attention"), *output[1:])
 
@@ -69,7 +68,7 @@ def test_attentions_as_regions_train_as_their_eager_scoped_twin(name: str) -> No
     twin = copy.deepcopy(model)
     scope_modules(model, {pattern: KEPT}, in_graph=True)
     scope_modules(twin, {pattern: KEPT})
-    compiled = torch.compile(model, fullgraph=True)
+    compiled: Callable[..., Any] = torch.compile(model, fullgraph=True)
     vocab = model.config.vocab_size
     for step in range(2):
         ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(step))
