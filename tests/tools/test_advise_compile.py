@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fp32scope
 from fp32scope import Fp32Precision, scope_modules, unscope_modules
@@ -29,8 +31,6 @@ from tests._support import advise_models as models
 from tests._support.advise_checks import Snapshot
 from tests._support.advise_compiled import compiled_error
 from tests._support.common import ROOT
-
-pytestmark = [pytest.mark.compile]
 
 TOLERANCE = 1e-3
 BF16 = torch.bfloat16
@@ -84,11 +84,13 @@ def found() -> Iterator[Found]:
     torch.compiler.reset()
 
 
+@pytest.mark.compile
 def test_the_control_the_plain_compile_drifts_from_eager(found: Found) -> None:
     assert found.control > TOLERANCE
     assert math.isclose(found.advice.fast_error, compiled_error(found.model, found.batches, {}))
 
 
+@pytest.mark.compile
 def test_the_pointwise_blocks_are_candidates_and_the_advised_policy_keeps_them_eager(found: Found) -> None:
     advice = found.advice
     assert [n.name for n in advice.nodes] == ["before", "rope", "middle", "sinusoid", "after"]
@@ -100,11 +102,13 @@ def test_the_pointwise_blocks_are_candidates_and_the_advised_policy_keeps_them_e
     assert advice.met
 
 
+@pytest.mark.compile
 def test_scoped_so_the_compiled_model_is_within_the_tolerance_of_eager_in_one_graph(found: Found) -> None:
     every = found.batches + found.held_out
     assert compiled_error(found.model, every, found.advice.policy, fullgraph=True) <= TOLERANCE
 
 
+@pytest.mark.compile
 def test_the_policy_is_1_minimal(found: Found) -> None:
     policy = found.advice.policy
     target = TOLERANCE / found.advice.margin
@@ -113,6 +117,7 @@ def test_the_policy_is_1_minimal(found: Found) -> None:
         assert compiled_error(found.model, found.batches, rest) > target, f"{name} can be dropped"
 
 
+@pytest.mark.compile
 def test_the_drifting_nodes_rank_first_and_the_linears_do_not_drift_alone(found: Found) -> None:
     rows = {n.name: n for n in found.advice.nodes}
     assert rows["rope"].sensitivity > TOLERANCE
@@ -120,6 +125,7 @@ def test_the_drifting_nodes_rank_first_and_the_linears_do_not_drift_alone(found:
     assert all(rows[name].sensitivity < TOLERANCE for name in ("before", "middle", "after"))
 
 
+@pytest.mark.compile
 def test_compiles_are_counted_and_within_the_bound(found: Found) -> None:
     advice, counted = found.advice, found.counted
     assert advice.compiles == counted.whole
@@ -131,6 +137,7 @@ def test_compiles_are_counted_and_within_the_bound(found: Found) -> None:
     assert f"{advice.compiles} whole-model compile(s), {advice.node_compiles} node compile(s)" in advice.table()
 
 
+@pytest.mark.compile
 def test_the_json_round_trip_and_scope_modules_take_the_eager_policy(found: Found) -> None:
     advice = found.advice
     text = advice.to_json()
@@ -145,6 +152,7 @@ def test_the_json_round_trip_and_scope_modules_take_the_eager_policy(found: Foun
     unscope_modules(model)
 
 
+@pytest.mark.compile
 def test_the_howto_shows_this_advice(found: Found) -> None:
     # The how-to's figures are one CPU's; its nodes, what is kept, the policy and the compiles are this run's.
     page = (ROOT / "docs" / "howto" / "find_fp32_nodes.rst").read_text()
@@ -167,6 +175,7 @@ def test_the_howto_shows_this_advice(found: Found) -> None:
     assert found.advice.met
 
 
+@pytest.mark.compile
 def test_dynamo_is_reset_when_advise_returns() -> None:
     calls: list[int] = []
 
@@ -186,6 +195,7 @@ def test_dynamo_is_reset_when_advise_returns() -> None:
     assert calls == [1, 1]  # compiled again: advise left nothing compiled behind, the caller's code neither
 
 
+@pytest.mark.compile
 def test_the_full_float32_reference_keeps_full_float32_regions_of_the_compiled_model() -> None:
     # The model is bf16, so full float32 flags change none of its math: the full float32
     # reference is eager, and the drifting blocks are the nodes to keep, as regions.
@@ -201,9 +211,10 @@ def test_the_full_float32_reference_keeps_full_float32_regions_of_the_compiled_m
     assert compiled_error(model, batches, advice.policy) <= TOLERANCE
 
 
-# -- without code generation: Dynamo's eager backend, AOTAutograd's aot_eager ------------------
+# -- without code generation: Dynamo's eager backend, AOTAutograd's aot_eager; none at all --------
 
 
+@pytest.mark.compile
 def test_with_compile_every_module_doing_floating_point_work_is_a_candidate() -> None:
     model = models.Block()
     advice = fp32scope.advise(
@@ -219,6 +230,7 @@ def test_with_compile_every_module_doing_floating_point_work_is_a_candidate() ->
     assert advice.node_compiles == 0  # nothing to search: no sensitivity measured
 
 
+@pytest.mark.compile
 def test_with_compile_and_autocast_the_old_question_is_asked_of_the_compiled_model() -> None:
     model, batches = models.NearTieMoE(), models.near_tie_batches()
     advice = fp32scope.advise(
@@ -249,6 +261,7 @@ def test_refusals_come_before_any_run(kwargs: dict[str, Any], error: type[Except
         fp32scope.advise(model, models.near_tie_batch(), autocast=BF16, **kwargs)
 
 
+@pytest.mark.compile
 def test_a_full_float32_fast_setting_is_refused_without_compile_only() -> None:
     model, batch = compiled.rope_net(), compiled.rope_batch()
     with pytest.raises(ValueError, match="the fast setting is the reference itself"):
@@ -256,3 +269,84 @@ def test_a_full_float32_fast_setting_is_refused_without_compile_only() -> None:
     advice = fp32scope.advise(model, batch, fast="highest", compile={"backend": "eager"})
     assert advice.policy == {}
     assert advice.met
+
+
+# -- the advice itself, without a model ----------------------------------------------------------
+
+_RULES = st.sampled_from(["eager", REGION, {"matmul": "highest", "cudnn_allow_tf32": False}])
+_OPTIONS = st.dictionaries(
+    st.sampled_from(["fullgraph", "dynamic", "backend", "mode"]),
+    st.one_of(st.booleans(), st.none(), st.sampled_from(["inductor", "aot_eager", "max-autotune"])),
+)
+
+
+def _advice(policy: dict[str, Any], options: dict[str, Any] | None, reference: str) -> fp32scope.Fp32Advice:
+    return fp32scope.Fp32Advice(
+        policy=policy,
+        autocast=None,
+        error=0.0,
+        fast_error=0.5,
+        tolerance=1e-3,
+        met=True,
+        runs=9,
+        seconds=1.5,
+        fast=Fp32Precision("highest", cudnn_allow_tf32=False),
+        autocast_dtype=BF16,
+        nodes=tuple(fp32scope.Fp32AdviceNode(name, "Rope", 0, 0.0, 0.2, True) for name in policy),
+        reference=reference,
+        compile=options,
+        compiles=6,
+        node_compiles=5,
+        compile_seconds=1.25,
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    policy=st.dictionaries(st.sampled_from(["rope", "sinusoid", "blocks.0.mlp"]), _RULES, min_size=1),
+    options=st.one_of(st.none(), _OPTIONS),
+    reference=st.sampled_from(["eager", "float32"]),
+)
+def test_an_advice_with_compile_goes_through_json_unchanged(
+    policy: dict[str, Any], options: dict[str, Any] | None, reference: str
+) -> None:
+    advice = _advice(policy, options, reference)
+    text = advice.to_json()
+    assert fp32scope.Fp32Advice.from_json(text) == advice
+    assert json.loads(text)["policy"] == policy
+
+
+def test_a_backend_json_cannot_hold_is_written_as_its_repr() -> None:
+    def my_backend(graph: Any, _inputs: Any) -> Any:
+        return graph
+
+    document = json.loads(_advice({"rope": "eager"}, {"backend": my_backend}, "eager").to_json())
+    assert document["compile"] == {"backend": repr(my_backend)}
+
+
+def test_an_advice_written_before_compile_reads_as_eager_runs_against_full_float32() -> None:
+    document = json.loads(_advice({"rope": REGION}, {"fullgraph": True}, "eager").to_json())
+    for key in ("reference", "compile", "compiles", "node_compiles", "compile_seconds"):
+        del document[key]
+    advice = fp32scope.Fp32Advice.from_json(json.dumps(document))
+    assert (advice.reference, advice.compile, advice.compiles, advice.node_compiles) == ("float32", None, 0, 0)
+    assert advice.compile_seconds == 0.0
+    assert "compiled (" not in advice.table()
+
+
+def test_the_table_and_the_chart_say_compiled() -> None:
+    advice = _advice({"rope": "eager"}, {"fullgraph": True}, "eager")
+    table = advice.table()
+    assert "reference: the model run eagerly at the fast setting" in table
+    assert "fast (matmul 'highest' under autocast bfloat16, compiled) error: 0.5" in table
+    assert "noise (two eager runs)" in table
+    assert "advised: 1 node(s) kept eager" in table
+    assert "compiled (torch.compile fullgraph=True): 6 whole-model compile(s), 5 node compile(s), 1.2 s" in table
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    figure = advice._figure()
+    try:
+        assert figure.axes[0].get_xlabel() == "error with only this node compiled"
+    finally:
+        plt.close(figure)
