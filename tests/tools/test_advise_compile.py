@@ -195,6 +195,40 @@ def test_dynamo_is_reset_when_advise_returns() -> None:
     assert calls == [1, 1]  # compiled again: advise left nothing compiled behind, the caller's code neither
 
 
+def _diffusers_imports() -> str | None:
+    # diffusers 0.42 does not import on torch 2.4 (it uses torch.accelerator): why not, or None.
+    try:
+        import diffusers  # noqa: F401
+    except Exception as error:
+        return f"diffusers does not import with this torch: {type(error).__name__}: {error}"
+    return None
+
+
+@pytest.mark.compile
+def test_flux_time_text_embed_drifts_in_its_time_proj_which_is_kept_eager() -> None:
+    reason = _diffusers_imports()
+    if reason is not None:
+        pytest.skip(reason)
+    tolerance = 1e-4
+    model, batches, held_out = compiled.flux_time_text_embed(), compiled.flux_batches(), compiled.flux_held_out()
+    control = compiled_error(model, batches + held_out, {})
+    if control <= tolerance:
+        pytest.skip(f"this CPU's Inductor does not drift: compiled whole, time_text_embed is {control:.3g} from eager")
+    advice = fp32scope.advise(model, batches, held_out=held_out, compile=True, reference="eager", tolerance=tolerance)
+    assert advice.policy == {"time_proj": "eager"}  # the sinusoid: no parameter, no matmul
+    assert advice.kept_flop_share == 0  # the linears stay compiled
+    assert advice.met
+    assert compiled_error(model, batches + held_out, advice.policy) <= tolerance
+    n, k = len(advice.nodes), len(advice.policy)
+    assert advice.compiles <= 2 * math.log2(n) + k + 4
+    # The how-to's table is this run's, its figures aside (one CPU's).
+    page = (ROOT / "docs" / "howto" / "find_fp32_nodes.rst").read_text()
+    start = page.index("    node                        class      params   FLOPs  sensitivity  kept")
+    shown = [line.split() for line in page[start:].splitlines()[2 : 2 + n]]
+    rows = [line.split() for line in advice.table().splitlines()[2 : 2 + n]]
+    assert [[*r[:3], r[-1] == "yes"] for r in shown] == [[*r[:3], r[-1] == "yes"] for r in rows]
+
+
 @pytest.mark.compile
 def test_the_full_float32_reference_keeps_full_float32_regions_of_the_compiled_model() -> None:
     # The model is bf16, so full float32 flags change none of its math: the full float32
