@@ -86,7 +86,8 @@ def flux_time_text_embed() -> torch.nn.Module:
     from diffusers.models.embeddings import CombinedTimestepTextProjEmbeddings
 
     torch.manual_seed(0)
-    return CombinedTimestepTextProjEmbeddings(FLUX_WIDTH, FLUX_POOLED).to(BF16).eval()
+    model: torch.nn.Module = CombinedTimestepTextProjEmbeddings(FLUX_WIDTH, FLUX_POOLED)
+    return model.to(BF16).eval()
 
 
 def flux_batches(seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
