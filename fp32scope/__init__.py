@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         Fp32EagerFallbackWarning,
         Fp32FlagsChangedWarning,
         Fp32ParameterDtypeWarning,
+        Fp32RegionBreakWarning,
         Fp32ScopeError,
     )
     from fp32scope._export.cuda_graphs import CapturedCudaGraph, capture_cuda_graph
@@ -55,6 +56,7 @@ _HOMES = {
     "Fp32EagerFallbackWarning": "_errors",
     "Fp32FlagsChangedWarning": "_errors",
     "Fp32ParameterDtypeWarning": "_errors",
+    "Fp32RegionBreakWarning": "_errors",
     "Fp32ScopeError": "_errors",
     "ScopedAOTIModel": "_export.export",
     "aoti_compile_and_package": "_export.export",
@@ -104,6 +106,7 @@ __all__ = [
     "Fp32FlagsChangedWarning",
     "Fp32ParameterDtypeWarning",
     "Fp32Precision",
+    "Fp32RegionBreakWarning",
     "Fp32ScopeError",
     "Fp32ScopedModule",
     "Fp32Trace",

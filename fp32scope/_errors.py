@@ -8,6 +8,7 @@ __all__ = [
     "Fp32EagerFallbackWarning",
     "Fp32FlagsChangedWarning",
     "Fp32ParameterDtypeWarning",
+    "Fp32RegionBreakWarning",
     "Fp32ScopeError",
 ]
 
@@ -86,6 +87,20 @@ class Fp32ParameterDtypeWarning(UserWarning):
     float32 parameters: under FSDP2 a unit of its own with a float32 policy,
     ``fully_shard(node, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))``,
     before its parent's ``fully_shard``.
+    """
+
+
+class Fp32RegionBreakWarning(UserWarning):
+    """An in-graph region was called with an argument it cannot carry: a graph break instead.
+
+    A region (``in_graph=True``, or an ``eager=True`` node) takes tensors, ints and
+    constants, also in tuples, lists and dicts; an object (a Hugging Face cache, a
+    dataclass) cannot cross the opaque op. Such a call of the node is a graph break
+    instead, as with ``in_graph=False``: the node runs in its scope, compiled as a graph
+    of its own (eagerly for an ``eager=True`` node), and ``fullgraph=True`` fails there
+    with a message naming this. Warned once per wrapper, when the call first runs. Pass
+    the object's tensors as arguments, or scope a module inside the node that takes only
+    tensors.
     """
 
 

@@ -57,15 +57,15 @@ def exclude(*functions: Callable[..., Any], graph_break: bool = True) -> None:
         _flush()
 
 
-#: Where Dynamo shows no reason (torch 2.4), the one marked function it names in a
-#: ``fullgraph=True`` failure for a scoped child says what to do in its qualified name.
+#: Where Dynamo shows no reason (torch 2.4), a marked function it names in a
+#: ``fullgraph=True`` failure says what to do in its qualified name.
 _NAMED_REASON = " [fp32scope: a graph break; in_graph=True keeps the node in one graph]"
-_renamed: list[Callable[..., Any]] = []
+_renamed: list[tuple[Callable[..., Any], str]] = []
 
 
-def rename_where_no_reason(fn: Callable[..., Any]) -> None:
-    """Have ``fn``'s name say what to do, on a Dynamo that names a disabled function without its reason."""
-    _renamed.append(fn)
+def rename_where_no_reason(fn: Callable[..., Any], note: str = _NAMED_REASON) -> None:
+    """Have ``fn``'s name end with ``note``, on a Dynamo that names a disabled function without its reason."""
+    _renamed.append((fn, note))
     if _done[0]:
         _flush()
 
@@ -74,9 +74,9 @@ def _flush() -> None:
     from torch._dynamo.eval_frame import skip_code
 
     if _renamed and not dynamo_shows_disable_reason():
-        for fn in _renamed:
-            if not fn.__qualname__.endswith(_NAMED_REASON):
-                fn.__qualname__ += _NAMED_REASON
+        for fn, note in _renamed:
+            if not fn.__qualname__.endswith(note):
+                fn.__qualname__ += note
     _renamed.clear()
     while _pending:
         fn, graph_break = _pending.pop()

@@ -143,7 +143,9 @@ def with_fp32_precision(  # noqa: PLR0913  (keyword-only options)
         warn_cublas_override(checked, label)
         scoped = _scoped_function(target, wrapper_scope(checked, label), checked, backward, trampoline, policy)
         if region:
-            scoped = _in_graph_function(scoped, Region(target, policy, label))
+            kept = Region(target, policy, label)
+            kept.fallback = scoped  # a call it cannot carry: this wrapper's graph break
+            scoped = _in_graph_function(scoped, kept)
         return scoped  # type: ignore[return-value]
 
     return decorate

@@ -194,10 +194,14 @@ class Fp32ScopedModule(_ProxyBase):
         self._self_check_parameters = asks_full_float32(checked)
         # What a compiling parent traces in place of the call (see _region), or None: a graph break.
         self._self_region = Region(module, self._self_autocast, label) if in_graph else None
+        if self._self_region is not None:  # a call it cannot carry: this wrapper's graph break
+            self._self_region.fallback = functools.partial(_scoped_call, self)
         own = _own_dict(self)  # what ``__dict__`` returns (see there)
         if in_graph and "forward" in own:
             # A compiling parent's ``child.forward(x)``: a region too, of the forward alone.
-            own["forward"] = _region_forward(self, Region(module, self._self_autocast, label, forward=True))
+            region = Region(module, self._self_autocast, label, forward=True)
+            region.fallback = functools.partial(_call_scoped_forward, self)
+            own["forward"] = _region_forward(self, region)
 
     # Attribute reads: Python's own lookup, then wrapt's __getattr__ (the wrapped module's
     # attribute), which is what wrapt's C __getattribute__ does. A Python subclass of a
@@ -390,6 +394,10 @@ class _InGraphScopedModule(Fp32ScopedModule):
 
 _is_compiling = torch.compiler.is_compiling
 _scoped_call = Fp32ScopedModule.__call__
+
+
+def _call_scoped_forward(proxy: Fp32ScopedModule, /, *args: Any, **kwargs: Any) -> Any:
+    return _forward_getter(proxy)(*args, **kwargs)
 
 
 def _region_forward(proxy: Fp32ScopedModule, region: Region) -> Callable[..., Any]:

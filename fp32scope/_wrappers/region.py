@@ -49,6 +49,7 @@ import contextlib
 import itertools
 import threading
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Final, cast
@@ -58,7 +59,7 @@ from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp32scope._compat import COMPILER_STATE, COMPILING_FLAG, dtensor_type, is_exporting
-from fp32scope._errors import Fp32ScopeError
+from fp32scope._errors import Fp32RegionBreakWarning, Fp32ScopeError
 from fp32scope._flags import dynamo_exclude
 from fp32scope._flags.scope import fp32_precision_scope, wrapper_scope
 from fp32scope._wrappers.autocast import AutocastPolicy, cast_to_float32, warn_once_under_autocast
@@ -176,6 +177,9 @@ class Region:
         self.mutated: dict[tuple[bool, ...], tuple[int, ...]] = {}
         self._slots: tuple[Slots, Slots] | None = None
         self._counts: tuple[int, int] | None = None
+        # The wrapper's own call, for a call the region cannot carry (a graph break instead).
+        self.fallback: Callable[..., Any] = module
+        self.warned_break = False
         _regions[self.key] = self
         _allow_in_graph()
 
@@ -785,8 +789,54 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
     return _pytree.tree_unflatten([next(it) if leaf is _TENSOR else leaf for leaf in out_leaves], spec)
 
 
+def _carriable(value: object) -> bool:
+    # Whether a region's op can take this argument: tensors, ints and constants, also in
+    # tuples, lists and dicts. Dynamo inlines this (it reads the types it traced with).
+    if isinstance(value, (torch.Tensor, torch.SymInt, torch.SymFloat, *_CONSTANTS)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_carriable(v) for v in value)
+    if isinstance(value, dict):
+        return all(_carriable(v) for v in value.values())
+    return False
+
+
+_BREAK_REASON: Final = (
+    "fp32scope: an in-graph region (in_graph=True, or an eager=True node) was called with an argument it cannot "
+    "carry: an object such as a Hugging Face cache (a region takes tensors, ints and constants, also in tuples, "
+    "lists and dicts). That call is a graph break instead, the node run in its scope. Pass the object's tensors "
+    "as arguments, or scope a module inside the node that takes only tensors"
+)
+
+
+def _break_call(tag: str, /, *args: Any, **kwargs: Any) -> Any:
+    """A region's call that cannot be one: run as a graph break (Dynamo stops at this frame)."""
+    region = _regions[int(tag.removeprefix(_TAG))]
+    if not region.warned_break:
+        region.warned_break = True
+        kinds = sorted({type(v).__name__ for v in (*args, *kwargs.values()) if not _carriable(v)})
+        warnings.warn(
+            f"Scoped node {region.name!r} (an in-graph region) was called inside a compiled graph with an argument "
+            f"of type {', '.join(kinds)}, which a region cannot carry: this call is a graph break instead, the node "
+            "run in its scope. Pass the object's tensors as arguments, or scope a module inside the node that takes "
+            "only tensors.",
+            Fp32RegionBreakWarning,
+            stacklevel=2,
+        )
+    return region.fallback(*args, **kwargs)
+
+
+_break_call._torchdynamo_disable = True  # type: ignore[attr-defined]
+_break_call._torchdynamo_disable_msg = _BREAK_REASON  # type: ignore[attr-defined]
+dynamo_exclude.rename_where_no_reason(
+    _break_call, " [fp32scope: an in-graph region was given an object it cannot carry: pass its tensors]"
+)
+
+
 def traced_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What Dynamo traces for an in-graph node's call: one :func:`region_call` in the graph."""
+    if not (all(_carriable(v) for v in args) and all(_carriable(v) for v in kwargs.values())):
+        return _break_call(region.tag, *args, **kwargs)
     module = region.module
     if isinstance(module, torch.nn.Module):
         params = tuple(module.parameters())
@@ -814,7 +864,7 @@ dynamo_exclude.exclude(
         for fn in list(globals().values())
         if isinstance(fn, types.FunctionType)
         and fn.__module__ == __name__
-        and fn.__name__ not in {"region_call", "traced_region"}
+        and fn.__name__ not in {"region_call", "traced_region", "_carriable"}
     ),
     *(
         fn

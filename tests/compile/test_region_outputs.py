@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from fp32scope import Fp32ScopedModule, current_fp32_precision, set_process_default
+from fp32scope import Fp32RegionBreakWarning, Fp32ScopedModule, current_fp32_precision, set_process_default
 from tests._support import probe as _probe
 from tests._support.common import DEFAULT, FULL, BoomError
 from tests._support.probe import phases, probe
@@ -189,13 +189,19 @@ def _assert_same(got: Any, want: Any) -> None:
     torch.testing.assert_close(got, want)
 
 
-def _check(
-    backend: str, node: torch.nn.Module, call: Callable[..., Any] | None = None, *, probed: bool = True, calls: int = 1
+def _check(  # noqa: PLR0913  (the case, and what to expect of it)
+    backend: str,
+    node: torch.nn.Module,
+    call: Callable[..., Any] | None = None,
+    *,
+    probed: bool = True,
+    calls: int = 1,
+    breaks: bool = False,
 ) -> None:
     """The region's parent, compiled whole, against its eager twin: outputs, gradients, precisions."""
     set_process_default(DEFAULT)
     eager, region = _twins(node, call)
-    compiled = torch.compile(region, backend=backend, fullgraph=True)
+    compiled = torch.compile(region, backend=backend, fullgraph=not breaks)
     for _ in range(2):  # the first call compiles; the second runs what was compiled
         x = torch.randn(6, WIDTH)
         with torch.no_grad():
@@ -207,7 +213,7 @@ def _check(
             assert phases("bwd")["node"] == [FULL] * calls
         _assert_same(got, _step(eager, list(eager.parameters()), x))
         assert current_fp32_precision() == DEFAULT
-    assert sum(counters["graph_break"].values()) == 0
+    assert (sum(counters["graph_break"].values()) > 0) == breaks
 
 
 NODES: dict[str, Callable[[], torch.nn.Module]] = {
@@ -341,3 +347,39 @@ def test_a_batch_norms_statistics_read_around_a_region_are_eagers(backend: str, 
         for (name, mine), theirs in zip(region.named_buffers(), eager.buffers(), strict=True):
             torch.testing.assert_close(mine, theirs, msg=f"buffer {name} after step {step}")
     assert sum(counters["graph_break"].values()) == 0
+
+
+class Holder:
+    """An object carrying a tensor, as a Hugging Face cache does."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class UsesHolder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, holder: Holder) -> torch.Tensor:
+        out: torch.Tensor = probe(self.linear(x) + holder.tensor, "node")
+        return out
+
+
+def _holder_call(parent: Parent, h: torch.Tensor) -> torch.Tensor:
+    return _sum_of(parent.node(h, Holder(h.detach() * 0.5)))
+
+
+def test_an_object_argument_makes_that_call_a_graph_break_with_a_warning() -> None:
+    with pytest.warns(Fp32RegionBreakWarning, match=r"'UsesHolder' .* argument of type Holder, which a region cannot"):
+        _check("aot_eager", UsesHolder(), _holder_call, breaks=True)
+
+
+def test_an_object_argument_under_fullgraph_fails_saying_what_to_do() -> None:
+    set_process_default(DEFAULT)
+    _, region = _twins(UsesHolder(), _holder_call)
+    compiled = torch.compile(region, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="cannot carry") as raised:
+        compiled(torch.randn(6, WIDTH))
+    assert "Failed to convert args/kwargs to proxy" not in str(raised.value)
+    assert current_fp32_precision() == DEFAULT
