@@ -47,11 +47,11 @@ class _Counted:
         real = torch.compile
 
         @functools.wraps(real)  # its signature is torch.compile's: advise checks compile= against it
-        def counted(module: torch.nn.Module, **options: Any) -> Any:
+        def counted(module: Any, **options: Any) -> Any:
             if module is self.root:
                 self.whole += 1
-            else:
-                self.alone.append(type(module).__name__)
+            else:  # a candidate's own forward, compiled as the module's forward
+                self.alone.append(type(module.__self__).__name__)
             return real(module, **options)
 
         self.compile = counted
@@ -72,6 +72,7 @@ class Found:
             )
         self.counted = counted
         snapshot.assert_unchanged()  # the model as found: module objects, tensors, modes, flags, RNG
+        assert not any("forward" in m.__dict__ for m in self.model.modules())  # each forward its class's again
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +277,48 @@ def test_with_compile_and_autocast_the_old_question_is_asked_of_the_compiled_mod
     scoped = scope_modules(model, advice.policy, autocast=False)
     assert scoped == {"router": Fp32Precision("highest", cudnn_allow_tf32=False)}
     unscope_modules(model)
+
+
+def _cos_off(x: torch.Tensor) -> torch.Tensor:
+    return torch.cos(x) * 1.01
+
+
+def _off_cosine(graph: torch.fx.GraphModule, _inputs: Any) -> Any:
+    """A backend whose cosine is 1% off: a compiler's drift, without generating code."""
+    for node in graph.graph.nodes:
+        if (node.op, node.target) in {("call_method", "cos"), ("call_function", torch.cos)}:
+            node.op, node.target = "call_function", _cos_off
+    graph.recompile()
+    return graph.forward
+
+
+class _WideRope(compiled.Rope):
+    width = compiled.WIDTH
+
+
+class _ReadsItsChild(torch.nn.Module):
+    """Reads an attribute of its child, the RoPE block, in its own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before = torch.nn.Linear(compiled.WIDTH, compiled.WIDTH)
+        self.rope = _WideRope()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.rope(self.before(x)[..., : self.rope.width])
+        return out
+
+
+@pytest.mark.compile
+def test_a_candidate_compiled_alone_stays_itself_in_the_model() -> None:
+    # Its parent reads its attributes while it is measured alone, and the policy keeps it eager.
+    model, batch = _ReadsItsChild(), torch.randn(4, compiled.WIDTH)
+    advice = fp32scope.advise(model, batch, compile={"backend": _off_cosine}, reference="eager")
+    assert advice.fast_error > TOLERANCE  # the control: the backend's cosine drifts
+    assert advice.policy == {"rope": "eager"}
+    assert advice.node_compiles == 2
+    assert advice.met
+    assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ import torch
 from fp32scope._flags import torch_flags
 from fp32scope._tools.advise.measure import _Runner, _to_float32
 from fp32scope._tools.advise.report import FULL_FLOAT32
-from fp32scope._wrappers.policy import _bare, _walk, scope_modules, unscope_modules
+from fp32scope._wrappers.policy import scope_modules, unscope_modules
 
 __all__ = ["EAGER", "FULL_FLOAT32_REGION", "kept_rule", "sensitivities"]
 
@@ -41,18 +41,10 @@ def kept_rule(runner: _Runner) -> str | dict[str, Any]:
     return dict(FULL_FLOAT32)
 
 
-class _Alone(torch.nn.Module):
-    """Stands in the model for one candidate: calls it compiled, at the fast setting."""
+def _alone(compiled: Callable[..., Any], runner: _Runner) -> Callable[..., Any]:
+    """A forward that calls a candidate's forward compiled, at the fast setting."""
 
-    def __init__(self, compiled: Callable[..., Any], runner: _Runner) -> None:
-        super().__init__()
-        # Not a submodule: the candidate stays out of the model's tree while it stands in.
-        object.__setattr__(self, "_fp32scope_compiled", compiled)
-        object.__setattr__(self, "_fp32scope_runner", runner)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        compiled: Callable[..., Any] = self.__dict__["_fp32scope_compiled"]
-        runner: _Runner = self.__dict__["_fp32scope_runner"]
+    def forward(*args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         try:
             if runner.reference_fast:  # the run is at the fast setting already
@@ -67,6 +59,18 @@ class _Alone(torch.nn.Module):
             return _to_float32(output) if runner.dtype is not None else output
         finally:
             runner.compile_seconds += time.perf_counter() - started
+
+    return forward
+
+
+def _put_back_forward(module: torch.nn.Module, found: object) -> None:
+    if found is _NONE:
+        del module.__dict__["forward"]
+    else:
+        module.__dict__["forward"] = found
+
+
+_NONE = object()
 
 
 def sensitivities(  # noqa: PLR0913, PLR0917  (the search's state, kept together)
@@ -91,12 +95,12 @@ def sensitivities(  # noqa: PLR0913, PLR0917  (the search's state, kept together
             if inner:
                 scope_modules(root, inner, autocast=autocast)
                 stack.callback(unscope_modules, root)  # the model had no scoped node before (checked): all ours
+            # The module itself stays in the model (its parent may read its attributes); its
+            # forward, an instance attribute for the run, is its own forward compiled.
             module = modules[key]
-            alone = _Alone(runner.compiled(module, whole=False), runner)
-            slots = [slot for slot in _walk(root) if _bare(slot.stored) is module]
-            for slot in slots:
-                setattr(slot.parent, slot.key, alone)
-                stack.callback(setattr, slot.parent, slot.key, slot.stored)
+            found = module.__dict__.get("forward", _NONE)
+            module.__dict__["forward"] = _alone(runner.compiled(module.forward, whole=False), runner)
+            stack.callback(_put_back_forward, module, found)
             what = f"sensitivity {i + 1}/{len(chosen)} (compiled alone): {names[key][0]}"
             out[key] = max(runner.errors(what, calibration, fast=runner.reference_fast))
     return out

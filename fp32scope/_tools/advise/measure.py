@@ -504,8 +504,8 @@ class _Runner:
         self.node_compiles = 0
         self.compile_seconds = 0.0
 
-    def compiled(self, module: torch.nn.Module, *, whole: bool) -> Callable[..., Any]:
-        """``module`` compiled afresh (Dynamo reset first: nothing compiled before is reused)."""
+    def compiled(self, module: Callable[..., Any], *, whole: bool) -> Callable[..., Any]:
+        """``module`` (the model, or one candidate's forward) compiled afresh (Dynamo reset first)."""
         options = dict(self.compile or {})
         if not whole:
             options.pop("fullgraph", None)  # a node alone may break its graph: only its numerics matter
