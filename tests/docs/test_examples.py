@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests._support.examples import EXAMPLES, run_example
+from tests._support.hf import gpt2_unavailable
 
 
 def test_every_example_is_tested() -> None:
@@ -15,7 +16,7 @@ def test_every_example_is_tested() -> None:
     tested |= {"training_loop.py"}
     tested |= {"amp_training.py"}
     tested |= {"advise_moe.py"}
-    tested |= {"flux_fullgraph.py"}
+    tested |= {"flux_fullgraph.py", "llama_attention_fullgraph.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -126,3 +127,20 @@ def test_flux_fullgraph() -> None:
     assert "ran with Fp32Precision(matmul='high'," not in out
     assert "graphs: 1, graph breaks: 0" in out
     assert "process default after the calls: Fp32Precision(matmul='high', cudnn_allow_tf32=True)" in out
+
+
+@pytest.mark.compile
+def test_llama_attention_fullgraph() -> None:
+    reason = gpt2_unavailable()  # transformers' models run on this torch (>= 2.6 for transformers 5)
+    if reason is not None:
+        pytest.skip(reason)
+    out = run_example("llama_attention_fullgraph.py")
+    full = "ran with Fp32Precision(matmul='highest', cudnn_allow_tf32=True)"
+    for layer in (0, 1):  # the compiled step and the eager one
+        assert out.count(f"layer {layer} attention {full}") == 2
+    assert "ran with Fp32Precision(matmul='high'," not in out
+    assert "graphs: 1, graph breaks: 0" in out
+    # To rounding: Inductor fuses the rest of the model (the norms, the MLPs) its own way.
+    assert float(out.split("loss difference from the eager step: ")[1].split()[0]) < 1e-5
+    assert float(out.split("largest gradient difference: ")[1].split()[0]) < 1e-5
+    assert "process default after the steps: Fp32Precision(matmul='high', cudnn_allow_tf32=True)" in out
