@@ -207,12 +207,12 @@ def test_cli_compile_reference_eager_keeps_the_drifting_blocks_eager(
 def test_cli_compile_options_reach_torch_compile(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen: list[dict[str, Any]] = []
+    seen: list[tuple[bool, dict[str, Any]]] = []
     real = torch.compile
 
     @functools.wraps(real)  # its signature is torch.compile's: advise checks the options against it
     def counted(module: torch.nn.Module, **options: Any) -> Any:
-        seen.append(options)
+        seen.append((isinstance(module, torch.nn.Module), options))  # the model whole, or a node's forward
         return real(module, **options)
 
     monkeypatch.setattr(torch, "compile", counted)
@@ -221,10 +221,13 @@ def test_cli_compile_options_reach_torch_compile(
     args += ["--tolerance", "2e-2", "--compile-option", "backend=aot_eager", "--compile-option", "fullgraph=true"]
     assert main(["advise", *args, "--report", str(report)]) == 0
     assert "compiled (torch.compile backend='aot_eager', fullgraph=True): " in capsys.readouterr().out
-    assert seen
     # Whole-model compiles get every option; a node compiled alone may break its graph.
-    assert all(o in ({"backend": "aot_eager", "fullgraph": True}, {"backend": "aot_eager"}) for o in seen)
-    assert {"backend": "aot_eager", "fullgraph": True} in seen
+    whole = [options for is_model, options in seen if is_model]
+    alone = [options for is_model, options in seen if not is_model]
+    assert whole
+    assert all(options == {"backend": "aot_eager", "fullgraph": True} for options in whole)
+    assert alone
+    assert all(options == {"backend": "aot_eager"} for options in alone)
     advice = fp32scope.Fp32Advice.from_json(report.read_text())
     assert advice.compile == {"backend": "aot_eager", "fullgraph": True}
     assert advice.policy == {"router": {**KEPT, "in_graph": True}}  # the full float32 reference: regions
