@@ -152,6 +152,7 @@ class Parent(torch.nn.Module):
         self.pre = torch.nn.Linear(WIDTH, WIDTH)
         self.node = Fp32ScopedModule(node, FULL, in_graph=in_graph)
         self.scale = torch.nn.Parameter(torch.full((WIDTH,), 1.5))
+        self.heads = torch.nn.Linear(WIDTH // 2, 3)  # on a head split's output
         self.call = call
         if isinstance(node, Normed):  # the batch norm, reached by the parent (not through the proxy)
             self.stats = node.norm
@@ -232,6 +233,17 @@ NODES: dict[str, Callable[[], torch.nn.Module]] = {
 @pytest.mark.parametrize("name", list(NODES))
 def test_a_regions_outputs_and_gradients_are_eagers(name: str, backend: str) -> None:
     _check(backend, NODES[name](), probed=name != "view-of-argument")
+
+
+def _heads_call(parent: Parent, h: torch.Tensor) -> torch.Tensor:
+    # A matmul on the node's output, which is a view of h: h's memory, free once the op has
+    # run as far as the graph knows, is where Inductor puts the matmul's result.
+    return _sum_of(parent.heads(parent.node(h)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_view_of_an_argument_then_a_matmul_is_eagers(backend: str) -> None:
+    _check(backend, SplitHeadsOfArgument(), _heads_call, probed=False)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
