@@ -246,6 +246,19 @@ def test_a_view_of_an_argument_then_a_matmul_is_eagers(backend: str) -> None:
     _check(backend, SplitHeadsOfArgument(), _heads_call, probed=False)
 
 
+def _two_views_call(parent: Parent, h: torch.Tensor) -> torch.Tensor:
+    # The first output's last use comes before the second's: the graph may put a later
+    # result where the first output was, unaware that the second one shares that memory.
+    first, second = parent.node(h)
+    later = parent.pre(torch.sigmoid(first))  # the sigmoid may be written where first was
+    return _sum_of(later) + _sum_of(second)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_outputs_sharing_memory_used_apart_are_eagers(backend: str) -> None:
+    _check(backend, TwoViews(), _two_views_call)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_tensor_passed_by_keyword_gets_its_gradient(backend: str) -> None:
     def call(parent: Parent, h: torch.Tensor) -> torch.Tensor:
