@@ -180,6 +180,8 @@ class Region:
         # The wrapper's own call, for a call the region cannot carry (a graph break instead).
         self.fallback: Callable[..., Any] = module
         self.warned_break = False
+        # Per traced call (its number): which inputs needing a gradient the outputs reach.
+        self.reached: dict[int, list[bool]] = {}
         _regions[self.key] = self
         _allow_in_graph()
 
@@ -567,9 +569,14 @@ def _execute(
     return [o.detach().clone() for o in outputs], updates, saved
 
 
-def _check_leaves(region: Region, saved: _Saved) -> None:
-    """Refuse a node whose forward reaches tensors needing a gradient that are not its op's inputs."""
+def _check_leaves(region: Region, saved: _Saved) -> list[bool]:
+    """Refuse a node whose forward reaches tensors needing a gradient that are not its op's inputs.
+
+    Returns, for each input that needs a gradient, whether the outputs reach it at all: one
+    they do not gets no gradient (None), as in eager, not zeros.
+    """
     mine = {id(t) for t in saved.inputs}
+    reached = {id(o) for o in saved.outputs if o.grad_fn is None}  # an input handed back as it is
     seen: set[Any] = set()
     todo = [o.grad_fn for o in saved.outputs]
     while todo:
@@ -578,11 +585,14 @@ def _check_leaves(region: Region, saved: _Saved) -> None:
             continue
         seen.add(node)
         variable = getattr(node, "variable", None)
-        if variable is not None and id(variable) not in mine:
-            raise Fp32ScopeError(
-                _outside_tensor_message(region, f" that requires grad (shape {tuple(variable.shape)})")
-            )
+        if variable is not None:
+            if id(variable) not in mine:
+                raise Fp32ScopeError(
+                    _outside_tensor_message(region, f" that requires grad (shape {tuple(variable.shape)})")
+                )
+            reached.add(id(variable))
         todo.extend(next_node for next_node, _ in node.next_functions)
+    return [id(t) in reached for t in saved.inputs]
 
 
 # -- the ops ------------------------------------------------------------------------------
@@ -625,7 +635,7 @@ def _region_train_impl(key: int, spec: list[int], grad_mask: int, values: list[t
 def _region_train_fake(key: int, spec: list[int], grad_mask: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
     op = _Op(key, spec, values)
     outputs, updates, saved = _execute(op, fake=True, grad_mask=grad_mask)
-    _check_leaves(op.region, cast("_Saved", saved))
+    op.region.reached[spec[0]] = _check_leaves(op.region, cast("_Saved", saved))
     return [*(o.clone() for o in outputs), *updates, torch.empty((1,), dtype=torch.int64)]
 
 
@@ -681,6 +691,8 @@ class _RegionFunction(torch.autograd.Function):
         ctx.key = key
         ctx.n_out = n_out
         ctx.needs = needs
+        # Known once the fake kernel has run (this formula runs only while a graph is traced).
+        ctx.reached = region.reached.get(spec[0])
         ctx.n_buffers = len(op.buffers)
         return tuple(out)
 
@@ -689,7 +701,15 @@ class _RegionFunction(torch.autograd.Function):
         token, *like = ctx.saved_tensors
         outs = [g if g is not None else torch.zeros(()) for g in grads[: ctx.n_out]]
         found = iter(torch.ops.fp32scope.region_backward(ctx.key, token, outs, like))
-        result = [next(found) if need else None for need in ctx.needs]
+        reached = iter(ctx.reached) if ctx.reached is not None else None
+        # An input the node's outputs never reach gets None, as in eager (not zeros, which an
+        # optimizer would step on).
+        result: list[torch.Tensor | None] = []
+        for need in ctx.needs:
+            gradient = next(found) if need else None
+            if need and reached is not None and not next(reached):
+                gradient = None
+            result.append(gradient)
         return (None, None, *result, *([None] * ctx.n_buffers))
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -233,6 +233,37 @@ NODES: dict[str, Callable[[], torch.nn.Module]] = {
 @pytest.mark.parametrize("name", list(NODES))
 def test_a_regions_outputs_and_gradients_are_eagers(name: str, backend: str) -> None:
     _check(backend, NODES[name](), probed=name != "view-of-argument")
+
+
+class Ignores(torch.nn.Module):
+    """Uses neither its second argument nor one of its parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.unused = torch.nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, x: torch.Tensor, ignored: torch.Tensor) -> torch.Tensor:
+        del ignored
+        out: torch.Tensor = probe(self.linear(x), "node")
+        return out
+
+
+def _ignored_call(parent: Parent, h: torch.Tensor) -> torch.Tensor:
+    return _sum_of(parent.node(h, parent.scale * 2.0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_what_the_node_never_uses_gets_no_gradient_as_in_eager(backend: str) -> None:
+    # None, not zeros: an optimizer skips a parameter without a gradient, and steps one with zeros.
+    _check(backend, Ignores(), _ignored_call)
+    set_process_default(DEFAULT)
+    _, region = _twins(Ignores(), _ignored_call)
+    compiled = torch.compile(region, backend=backend, fullgraph=True)
+    torch.autograd.backward(compiled(torch.randn(6, WIDTH)))
+    assert region.scale.grad is None
+    assert cast("Ignores", region.node).unused.grad is None
+    assert cast("Ignores", region.node).linear.weight.grad is not None
 
 
 def _heads_call(parent: Parent, h: torch.Tensor) -> torch.Tensor:
