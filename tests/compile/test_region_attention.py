@@ -59,6 +59,20 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
+def _skip_where_torch_fails_without_fp32scope(build: Callable[[], Any], error: Exception) -> None:
+    """Skip, saying why, where the same unscoped model's compiled training step fails too."""
+    torch._dynamo.reset()
+    model = build()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    try:
+        compiled: Callable[..., Any] = torch.compile(model, fullgraph=True)
+        torch.autograd.backward(_loss(compiled(input_ids=ids, use_cache=False).logits, ids))
+    except Exception as plain:  # whatever torch raises: the control's own failure
+        first = str(plain).strip().splitlines()[0] if str(plain).strip() else type(plain).__name__
+        pytest.skip(f"torch.compile of this model's training step fails here without fp32scope too: {first}")
+    raise error
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_attentions_as_regions_train_as_their_eager_scoped_twin(name: str) -> None:
     build, pattern = MODELS[name]
@@ -75,8 +89,12 @@ def test_attentions_as_regions_train_as_their_eager_scoped_twin(name: str) -> No
         _probe.SEEN.clear()
         for m in (model, twin):
             m.zero_grad(set_to_none=True)
-        loss = _loss(compiled(input_ids=ids, use_cache=False).logits, ids)
-        torch.autograd.backward(loss)
+        try:
+            loss = _loss(compiled(input_ids=ids, use_cache=False).logits, ids)
+            torch.autograd.backward(loss)
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            # (transformers' Mixtral on some installs: its grouped-mm backward fails Inductor's lowering.)
+            _skip_where_torch_fails_without_fp32scope(build, error)
         assert phases("fwd")["attention"] == [FULL] * 2  # each layer's attention, in its precision
         assert phases("bwd")["attention"] == [FULL] * 2
         assert current_fp32_precision() == DEFAULT
