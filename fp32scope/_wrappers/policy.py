@@ -148,15 +148,22 @@ def _check_value(selector: object, value: object) -> Fp32Precision | None:
     return None if checked is None or checked.is_noop else checked
 
 
-def _check_rule_in_graph(selector: object, value: object) -> bool | None:
-    """A rule's own ``in_graph`` (a mapping's ``"in_graph"`` key), or None where it has none."""
-    if not isinstance(value, Mapping) or "in_graph" not in value:
+#: What True and False mean for each of a rule's bool keys, as its error message says.
+_RULE_FLAGS = {
+    "in_graph": "True (an in-graph region under torch.compile) or False (a graph break)",
+    "eager": "True (the node runs as eager runs it, never compiled) or False",
+}
+
+
+def _check_rule_flag(selector: object, value: object, key: str) -> bool | None:
+    """A rule's own bool ``key`` (a mapping's key of that name), or None where it has none."""
+    if not isinstance(value, Mapping) or key not in value:
         return None
-    found = value["in_graph"]
+    found = value[key]
     if type(found) is not bool:
         msg = (
-            f"policy[{_show(selector)}]['in_graph'] must be True (an in-graph region under torch.compile) or False "
-            f"(a graph break); got {found!r} of type {type(found).__name__}."
+            f"policy[{_show(selector)}][{key!r}] must be {_RULE_FLAGS[key]}; "
+            f"got {found!r} of type {type(found).__name__}."
         )
         raise TypeError(msg)
     return found
@@ -164,18 +171,7 @@ def _check_rule_in_graph(selector: object, value: object) -> bool | None:
 
 def _check_rule_eager(selector: object, value: object) -> bool:
     """Whether a rule keeps its nodes eager: the value ``"eager"``, or a mapping's ``"eager"`` key."""
-    if value == _EAGER:
-        return True
-    if not isinstance(value, Mapping) or "eager" not in value:
-        return False
-    found = value["eager"]
-    if type(found) is not bool:
-        msg = (
-            f"policy[{_show(selector)}]['eager'] must be True (the node runs as eager runs it, never compiled) or "
-            f"False; got {found!r} of type {type(found).__name__}."
-        )
-        raise TypeError(msg)
-    return found
+    return value == _EAGER or _check_rule_flag(selector, value, "eager") is True
 
 
 class _Policy:
@@ -197,7 +193,7 @@ class _Policy:
             rule = _Rule(
                 selector,
                 _check_value(selector, value),
-                _check_rule_in_graph(selector, value),
+                _check_rule_flag(selector, value, "in_graph"),
                 _check_rule_eager(selector, value),
             )
             self._add(selector, rule)
