@@ -1,7 +1,7 @@
 """In-graph regions: a scoped node as one opaque op of a compiled parent's graph.
 
-A flag change cannot be traced, so by default a compiled parent graph-breaks at a scoped
-node. With ``in_graph=True`` Dynamo instead traces the node's call as one call of
+A flag change cannot be traced. A compiled parent could graph-break at a scoped node
+(``in_graph=False``); by default Dynamo instead traces the node's call as one call of
 :func:`region_call`, kept whole in its graph (``torch._dynamo.allow_in_graph``), which
 AOTAutograd and Inductor see as one call of the custom op ``fp32scope::region`` (or
 ``fp32scope::region_grad`` where a gradient is needed, whose backward is
@@ -34,8 +34,10 @@ Training: the op's autograd formula runs the node's forward with autograd on, ov
 detached aliases of the inputs that need a gradient, and keeps that graph (no recompute)
 for ``fp32scope::region_backward``, which runs autograd's engine over it inside the scope
 and hands the gradients back to the compiled backward. The kept graph is found through a
-token, a one-element int64 tensor saved for the backward; it is dropped once the backward
-has run, or when the token dies (a forward whose backward never runs).
+token, a one-element int64 tensor saved for the backward, and dropped when the token dies:
+when the compiled graph's backward frees what it saved (no ``retain_graph``; with it, a
+second backward runs through the kept graph again), or with a forward whose backward never
+runs.
 
 Tensors a node reaches other than as arguments, parameters or buffers (a closure, a
 global) cannot cross the boundary: such a node is refused with :class:`Fp32ScopeError`
@@ -112,7 +114,7 @@ def check_in_graph(value: object) -> bool:
     msg = (
         "in_graph must be True (under torch.compile, the node is one region of its compiled parent's graph: no "
         "graph break, fullgraph=True works), False (a graph break around the node) or None (the default: "
-        "False, or True for an eager=True node); "
+        "True); "
         f"got {value!r} of type {type(value).__name__}."
     )
     raise TypeError(msg)
@@ -644,19 +646,25 @@ def _region_backward_impl(
 ) -> list[torch.Tensor]:
     region = _regions[key]
     with _saved_lock:
-        saved = _saved.pop(int(token.item()), None)
+        saved = _saved.get(int(token.item()))
     if saved is None:
         msg = (
-            f"Trying to backward through scoped node {region.name!r} (an in-graph region) a second time, or after "
-            "its saved graph was freed. An in-graph region keeps its forward graph for one backward; call the "
-            "model again before the next backward, or wrap the node with in_graph=False to use retain_graph=True."
+            f"Trying to backward through scoped node {region.name!r} (an in-graph region) after its saved graph "
+            "was freed (the compiled graph's backward already ran without retain_graph=True). Specify "
+            "retain_graph=True if you need to backward through the graph a second time."
         )
         raise Fp32ScopeError(msg)
     found: tuple[torch.Tensor | None, ...] = (None,) * len(saved.inputs)
     if saved.outputs:
+        # The kept graph lives as long as the token, which the compiled graph's backward
+        # holds: freed with it (no retain_graph), kept for a second backward (retain_graph).
         with region.scope:
             found = torch.autograd.grad(
-                saved.outputs, saved.inputs, [grads[i] for i in saved.positions], allow_unused=True
+                saved.outputs,
+                saved.inputs,
+                [grads[i] for i in saved.positions],
+                allow_unused=True,
+                retain_graph=True,
             )
     # A gradient may be a view of an incoming one (a view's backward is a view): unaliased,
     # as the forward's outputs are, or Inductor reuses the incoming gradient's memory under it.

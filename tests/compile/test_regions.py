@@ -28,6 +28,7 @@ from fp32scope import (
     set_process_default,
     with_fp32_precision,
 )
+from fp32scope._wrappers import region as region_module
 from tests._support import probe as _probe
 from tests._support.common import DEFAULT, FULL, BoomError
 from tests._support.compiled import forbid_recompiles
@@ -659,14 +660,30 @@ def test_scoped_nodes_nested_in_a_region_run_in_their_own_precisions() -> None:
     assert sum(counters["graph_break"].values()) == 0
 
 
-def test_a_region_compiled_alone_and_a_second_backward_through_it() -> None:
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_retain_graph_a_second_backward_through_a_region_as_without_fp32scope(backend: str) -> None:
     set_process_default(DEFAULT)
-    node = Fp32ScopedModule(Block("node"), FULL, in_graph=True)
-    compiled = torch.compile(node, backend="aot_eager", fullgraph=True)
-    x = torch.randn(4, WIDTH, requires_grad=True)
-    out = compiled(x).sum()
-    torch.autograd.backward(out, retain_graph=True)
-    assert phases("fwd")["node"] == phases("bwd")["node"] == [FULL]
-    with pytest.raises(Fp32ScopeError, match=r"a second time.*in_graph=False to use retain_graph=True"):
+    torch.manual_seed(0)
+    bare = Block("bare")
+    inner = copy.deepcopy(bare)
+    inner.tag = "node"
+    node = Fp32ScopedModule(inner, FULL, in_graph=True)
+    compiled = torch.compile(node, backend=backend, fullgraph=True)
+    reference = torch.compile(bare, backend=backend, fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    kept = len(region_module._saved)
+    out, expected = compiled(x).square().sum(), reference(x).square().sum()
+    for retain in (True, False):
+        torch.autograd.backward(out, retain_graph=retain)
+        torch.autograd.backward(expected, retain_graph=retain)
+        assert phases("bwd")["node"] == [FULL] * (2 if not retain else 1)
+    for mine, theirs in zip(node.parameters(), bare.parameters(), strict=True):
+        assert mine.grad is not None and theirs.grad is not None
+        torch.testing.assert_close(mine.grad, theirs.grad)
+    # Both backwards ran; the second freed the compiled graph and with it the kept one.
+    assert len(region_module._saved) == kept
+    with pytest.raises(RuntimeError, match="second time"):
         torch.autograd.backward(out)
+    with pytest.raises(RuntimeError, match="second time"):
+        torch.autograd.backward(expected)
     assert current_fp32_precision() == DEFAULT
