@@ -17,6 +17,7 @@ def test_every_example_is_tested() -> None:
     tested |= {"amp_training.py"}
     tested |= {"advise_moe.py"}
     tested |= {"flux_fullgraph.py", "llama_attention_fullgraph.py"}
+    tested |= {"flux_advise_compile.py"}  # in tests/tools/test_advise_flux.py
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
