@@ -17,6 +17,15 @@ What crosses the op's boundary:
   non-tensor arguments (``None``, numbers, strings, dtypes, devices) are constants of the
   graph, kept in a layout the op names by number, except ints Dynamo made symbolic (they
   vary between calls), which are op inputs too;
+* a Hugging Face key-value cache (``DynamicCache``, ``StaticCache``: :mod:`.carriers`), as a
+  tuple of its tensors and constants; the op's kernel builds a fresh cache around them for
+  the node. What the node changes on it comes back: tensors it binds anew (a dynamic
+  layer's ``torch.cat``) as outputs, and its new constants (``is_initialized``, sizes) as
+  constants of the layout, both set on the caller's cache after the op (Dynamo replays
+  the attribute writes); tensors it updates in place (a static layer's keys, values and
+  length) run on copies, which leave the op and are written back (``copy_``), as buffers
+  are. Each layout is numbered by its content: the number is all of it a graph holds, and
+  Inductor's caches reuse a graph compiled by another process;
 * the node's outputs: tensors, in tuples, lists or dicts, with constants; an output that
   shares memory with an input or another output (a view of an argument, an argument handed
   back) leaves as a copy, as does, in training, every output (the kept graph may hold it);
@@ -48,6 +57,7 @@ process would not have this process's regions).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import threading
 import types
@@ -64,6 +74,7 @@ from fp32scope._compat import COMPILER_STATE, COMPILING_FLAG, dtensor_type, is_e
 from fp32scope._errors import Fp32RegionBreakWarning, Fp32ScopeError
 from fp32scope._flags import dynamo_exclude
 from fp32scope._flags.scope import fp32_precision_scope, wrapper_scope
+from fp32scope._wrappers import carriers
 from fp32scope._wrappers.autocast import AutocastPolicy, cast_to_float32, warn_once_under_autocast
 
 __all__ = ["Region", "check_in_graph", "region_call", "traced_region"]
@@ -147,6 +158,50 @@ class _Layout:
         self.plain = not kw_names and spec is None and all(s is _TENSOR for s in slots)
 
 
+class _CarriedArgs:
+    """Where a layout's carried objects are: their argument positions, and their tensors' indices."""
+
+    __slots__ = ("positions", "tensors")
+
+    def __init__(self, positions: tuple[int, ...], tensors: tuple[int, ...]) -> None:
+        self.positions = positions
+        self.tensors = tensors
+
+
+def _carried_args(values: tuple[Any, ...]) -> _CarriedArgs:
+    positions: list[int] = []
+    indices: list[int] = []
+    n = 0
+    for position, value in enumerate(values):
+        count = sum(isinstance(leaf, torch.Tensor) for leaf in _pytree.tree_flatten(value)[0])
+        if carriers.is_marker(value):
+            positions.append(position)
+            indices.extend(range(n, n + count))
+        n += count
+    return _CarriedArgs(tuple(positions), tuple(indices))
+
+
+class _CarriedPlan:
+    """What a node does to the objects it carries, per layout, as its fake run found.
+
+    ``inplace``: the op's tensors it updates in place (run on copies, which leave the op and
+    are written back with ``copy_``); ``changes``: per carried object, its changed attributes
+    (:func:`carriers.changes`), whose new tensors leave the op first (``n_rebound`` of them).
+    """
+
+    __slots__ = ("changes", "inplace", "n_rebound")
+
+    def __init__(self, inplace: tuple[int, ...], changes: tuple[tuple[carriers.Change, ...], ...]) -> None:
+        self.inplace = inplace
+        self.changes = changes
+        self.n_rebound = sum(1 for found in changes for change in found if change[2])
+
+    @property
+    def n_outputs(self) -> int:
+        """How many of the op's outputs are the carried objects' tensors (after its buffers)."""
+        return self.n_rebound + len(self.inplace)
+
+
 def _forward_of(module: Any) -> Callable[..., Any]:
     def call_forward(*args: Any, **kwargs: Any) -> Any:
         return module.forward(*args, **kwargs)
@@ -171,7 +226,7 @@ class Region:
         self.policy = policy
         self.name = precision_scope_name
         self.scope: fp32_precision_scope = wrapper_scope(policy.precision, precision_scope_name)
-        self.layouts: list[_Layout] = []
+        self.layouts: dict[int, _Layout] = {}
         self._layout_ids: dict[tuple[Any, ...], int] = {}
         # Output structure per layout: (pytree spec or None for one plain tensor, leaves).
         self.out_specs: dict[int, tuple[Any, tuple[Any, ...]]] = {}
@@ -184,6 +239,10 @@ class Region:
         self.warned_break = False
         # Per traced call (its number): which inputs needing a gradient the outputs reach.
         self.reached: dict[int, list[bool]] = {}
+        # Per layout with carried objects (caches): where they are, and what the node does to them.
+        self.carried_args: dict[int, _CarriedArgs] = {}
+        self.carried: dict[int, _CarriedPlan] = {}
+        self.last_changes: tuple[tuple[carriers.Change, ...], ...] = ()
         _regions[self.key] = self
         _allow_in_graph()
 
@@ -211,8 +270,17 @@ class Region:
         key = (n_args, kw_names, None if spec is None else str(spec), tuple((type(s), s) for s in slots))
         found = self._layout_ids.get(key)
         if found is None:
-            found = self._layout_ids[key] = len(self.layouts)
-            self.layouts.append(_Layout(n_args, kw_names, tuple(slots), spec))
+            # Numbered by its content, not by its order: the number is all a compiled graph
+            # holds of it, and Inductor's caches serve a graph compiled by another process
+            # to any graph that reads the same (a cache's length, which sets the shape of
+            # the tensors the op returns, is one of these constants).
+            found = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=7).digest(), "big")
+            while found in self.layouts:  # (a collision, in 2**56)
+                found = (found + 1) % 2**56
+            self._layout_ids[key] = found
+            self.layouts[found] = _Layout(n_args, kw_names, tuple(slots), spec)
+            if any(carriers.is_marker(v) for v in values):
+                self.carried_args[found] = _carried_args(values)
         return found, leaves
 
     def _refuse_argument(self, n_args: int, kw_names: tuple[str, ...], values: tuple[Any, ...], leaf: object) -> None:
@@ -270,8 +338,14 @@ class Region:
         self._counts = (len(params), len(buffers))
         return self._slots
 
-    def rebuild(self, layout: int, tensors: list[torch.Tensor], ints: list[int]) -> tuple[list[Any], dict[str, Any]]:
-        """A call's positional and keyword arguments from its layout and the op's tensors and ints."""
+    def rebuild(
+        self, layout: int, tensors: list[torch.Tensor], ints: list[int], carried: list[tuple[Any, Any]] | None = None
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """A call's positional and keyword arguments from its layout and the op's tensors and ints.
+
+        A carried object (a cache) is built afresh around the op's tensors; each is appended
+        to ``carried`` with the marker it was built from.
+        """
         spec = self.layouts[layout]
         if spec.plain:  # only positional tensors: the usual call
             return tensors, {}
@@ -279,6 +353,13 @@ class Region:
         values = [next(it) if s is _TENSOR else next(numbers) if s is _SYMINT else s for s in spec.slots]
         if spec.spec is not None:
             values = _pytree.tree_unflatten(values, spec.spec)
+        where = self.carried_args.get(layout)
+        if where is not None:
+            for position in where.positions:
+                marker = cast("tuple[Any, ...]", values[position])
+                values[position] = carriers.rebuild(marker)
+                if carried is not None:
+                    carried.append((marker, values[position]))
         n = spec.n_args
         return values[:n], dict(zip(spec.kw_names, values[n:], strict=True))
 
@@ -289,7 +370,7 @@ class _Op:
     ``spec`` is [site, layout, n_tensors, n_params, n_autocast, n_ints, autocast..., ints..., mutated...].
     """
 
-    __slots__ = ("autocast", "buffers", "ints", "layout", "mutated", "params", "region", "tensors")
+    __slots__ = ("autocast", "buffers", "carried", "ints", "layout", "mutated", "params", "region", "tensors")
 
     def __init__(self, key: int, spec: list[int], values: list[torch.Tensor]) -> None:
         self.region = _regions[key]
@@ -301,6 +382,7 @@ class _Op:
         self.tensors = values[:n_tensors]
         self.params = values[n_tensors:n_inputs]
         self.buffers = values[n_inputs:]
+        self.carried: list[tuple[Any, Any]] = []  # (marker, rebuilt object), as _run built them
 
 
 def _autocast_state() -> list[int]:
@@ -456,7 +538,7 @@ def _run(op: _Op, *, fake: bool, grad: bool) -> Any:
     """Run the node with the op's parameters and buffers bound; in its scope unless ``fake``."""
     region = op.region
     p_slots, b_slots = region.slots(len(op.params), len(op.buffers))
-    args, kwargs = region.rebuild(op.layout, op.tensors, op.ints)
+    args, kwargs = region.rebuild(op.layout, op.tensors, op.ints, op.carried)
     saved_p = _bind(p_slots, "_parameters", op.params)
     saved_b = None
     try:
@@ -542,23 +624,30 @@ def _execute(
             op.buffers[i] = op.buffers[i].clone()
     versions = [op.buffers[i]._version for i in mutated]
     inputs = _aliases(op, grad_mask) if grad_mask else []
-    if find_mutated:
-        with _WriteRecorder() as written:
-            result = _run(op, fake=fake, grad=bool(grad_mask))
-    else:
+    given = op.tensors
+    inplace = _copy_carried(op, fake=fake, copy=not grad_mask)
+    carried_versions = [op.tensors[i]._version for i in inplace]
+    recorder = _WriteRecorder() if find_mutated or inplace else None
+    with recorder or contextlib.nullcontext():
         result = _run(op, fake=fake, grad=bool(grad_mask))
+    written = set() if recorder is None else recorder.storages
     outputs = _flatten_out(region, op.layout, result)
+    carried = _carried_out(op, fake, inplace, carried_versions, written)
     if not fake and not grad_mask:
-        outputs = _unalias(outputs, itertools.chain(op.tensors, op.params, op.buffers))
+        # The carried tensors leave as outputs too: none may alias an input or another output.
+        unaliased = _unalias([*outputs, *carried], itertools.chain(given, op.params, op.buffers))
+        outputs, carried = unaliased[: len(outputs)], unaliased[len(outputs) :]
     if find_mutated:
         found = tuple(
             i
             for i, v in zip(mutated, versions, strict=True)
-            if op.buffers[i]._version != v or op.buffers[i].untyped_storage()._cdata in written.storages
+            if op.buffers[i]._version != v or op.buffers[i].untyped_storage()._cdata in written
         )
         region.mutated[region.training_layout()] = found
         mutated = list(found)
     updates = [op.buffers[i] for i in mutated]
+    if carried:
+        updates += [t.detach().clone() for t in carried] if grad_mask else carried
     if not grad_mask:
         return outputs, updates, None
     positions = [i for i, o in enumerate(outputs) if o.requires_grad]
@@ -569,6 +658,52 @@ def _execute(
     # reads its result), and the compiled graph may write into an op's output in place.
     # A copy also aliases no input, and is laid out as the fake kernel's copy is.
     return [o.detach().clone() for o in outputs], updates, saved
+
+
+def _copy_carried(op: _Op, *, fake: bool, copy: bool) -> tuple[int, ...]:
+    """The op's carried tensors the node may update in place; swapped for copies where ``copy``.
+
+    All of them in a fake run (which finds the ones it updates), the layout's plan's in a
+    real one. (Training's aliases are copies already.)
+    """
+    where = op.region.carried_args.get(op.layout)
+    inplace = () if where is None else where.tensors if fake else op.region.carried[op.layout].inplace
+    if inplace and copy:
+        op.tensors = list(op.tensors)
+        for i in inplace:
+            op.tensors[i] = op.tensors[i].clone()
+    return inplace
+
+
+def _carried_out(
+    op: _Op, fake: bool, inplace: tuple[int, ...], versions: list[int], written: set[int]
+) -> list[torch.Tensor]:
+    """The carried objects' tensors leaving the op: those newly bound, then those updated in place.
+
+    The fake run finds which they are (a layout's plan); a real run reads them by the plan.
+    """
+    if not op.carried:
+        return []
+    region = op.region
+    if fake:
+        found: list[tuple[carriers.Change, ...]] = []
+        rebound: list[torch.Tensor] = []
+        for marker, obj in op.carried:
+            changes, tensors = carriers.changes(marker, obj, len(rebound))
+            found.append(changes)
+            rebound += [t.clone() for t in tensors]  # laid out as the real run's unaliased outputs
+        updated = tuple(
+            i
+            for i, v in zip(inplace, versions, strict=True)
+            if op.tensors[i]._version != v or op.tensors[i].untyped_storage()._cdata in written
+        )
+        region.carried[op.layout] = _CarriedPlan(updated, tuple(found))
+        return [*rebound, *(op.tensors[i] for i in updated)]
+    plan = region.carried[op.layout]
+    rebound = [
+        t for (_, obj), changes in zip(op.carried, plan.changes, strict=True) for t in carriers.tensors_of(obj, changes)
+    ]
+    return [*rebound, *(op.tensors[i] for i in plan.inplace)]
 
 
 def _check_leaves(region: Region, saved: _Saved) -> list[bool]:
@@ -692,6 +827,8 @@ class _RegionFunction(torch.autograd.Function):
         with torch._C._AutoDispatchBelowADInplaceOrView():
             out = torch.ops.fp32scope.region_train(key, spec, grad_mask, list(values))
         n_updates = len(region.mutated[region.training_layout()]) if op.mutated == [_UNKNOWN] else len(op.mutated)
+        plan = region.carried.get(op.layout)
+        n_updates += 0 if plan is None else plan.n_outputs
         n_out = len(out) - 1 - n_updates
         token = out[-1]
         ctx.mark_non_differentiable(token, *out[n_out:-1])
@@ -807,14 +944,26 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
     numbers = [next(_sites), layout, len(tensors), n_params, len(autocast), len(ints), *autocast, *ints, *mutated]
     out = op(key, numbers, [*tensors, *params, *buffers])
     found = region.mutated[region.training_layout()]
-    n_out = len(out) - len(found)
-    for i, update in zip(found, out[n_out:], strict=True):
+    plan = region.carried.get(layout) if layout in region.carried_args else None
+    n_carried = 0 if plan is None else plan.n_outputs
+    n_out = len(out) - len(found) - n_carried
+    for i, update in zip(found, out[n_out : n_out + len(found)], strict=True):
         buffers[i].copy_(update)
     spec, out_leaves = region.out_specs[layout]
     if spec is None:
-        return out[0]
-    it = iter(out[:n_out])
-    return _pytree.tree_unflatten([next(it) if leaf is _TENSOR else leaf for leaf in out_leaves], spec)
+        result = out[0]
+    else:
+        it = iter(out[:n_out])
+        result = _pytree.tree_unflatten([next(it) if leaf is _TENSOR else leaf for leaf in out_leaves], spec)
+    if plan is None:
+        return result
+    # The carried tensors the node updated in place, written back as the buffers are; the
+    # new ones go back to traced_region, which binds them on the caller's objects.
+    carried = out[len(out) - n_carried :]
+    for i, update in zip(plan.inplace, carried[plan.n_rebound :], strict=True):
+        tensors[i].copy_(update)
+    region.last_changes = plan.changes
+    return result, list(carried[: plan.n_rebound])
 
 
 def _carriable(value: object) -> bool:
@@ -831,9 +980,9 @@ def _carriable(value: object) -> bool:
 
 _BREAK_REASON: Final = (
     "fp32scope: an in-graph region (in_graph=True, or an eager=True node) was called with an argument it cannot "
-    "carry: an object such as a Hugging Face cache (a region takes tensors, ints and constants, also in tuples, "
-    "lists and dicts). That call is a graph break instead, the node run in its scope. Pass the object's tensors "
-    "as arguments, or scope a module inside the node that takes only tensors"
+    "carry (a region takes tensors, ints and constants, also in tuples, lists and dicts, and Hugging Face "
+    "DynamicCache and StaticCache objects of plain layers). That call is a graph break instead, the node run in "
+    "its scope. Pass the object's tensors as arguments, or scope a module inside the node that takes only tensors"
 )
 
 
@@ -861,17 +1010,44 @@ dynamo_exclude.rename_where_no_reason(
 )
 
 
+def _carried_changes(tag: str) -> tuple[tuple[carriers.Change, ...], ...]:
+    # What the node changed on its carried objects, as the fake run of the call Dynamo just
+    # traced found it: constants of the graph, read by traced_region after region_call.
+    return _regions[int(tag.removeprefix(_TAG))].last_changes
+
+
+# torch._dynamo.assume_constant_result's mark, set without importing Dynamo (a second):
+# Dynamo calls the function while it traces and keeps its result as a constant.
+_carried_changes._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def traced_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """What Dynamo traces for an in-graph node's call: one :func:`region_call` in the graph."""
-    if not (all(_carriable(v) for v in args) and all(_carriable(v) for v in kwargs.values())):
+    """What Dynamo traces for an in-graph node's call: one :func:`region_call` in the graph.
+
+    A Hugging Face cache argument crosses the op as a marker tuple of its tensors and
+    constants (:mod:`fp32scope._wrappers.carriers`); what the node changed on it is set on
+    the caller's cache after the op (Dynamo replays those attribute writes).
+    """
+    values = [*args, *kwargs.values()]
+    carried = [i for i, v in enumerate(values) if carriers.can_carry(v)]
+    if not all(i in carried or _carriable(v) for i, v in enumerate(values)):
         return _break_call(region.tag, *args, **kwargs)
+    objects = [values[i] for i in carried]
+    for i in carried:
+        values[i] = carriers.flatten(values[i])
     module = region.module
     if isinstance(module, torch.nn.Module):
         params = tuple(module.parameters())
         buffers = tuple(module.buffers())
     else:
         params = buffers = ()
-    return region_call(region.tag, len(args), tuple(kwargs), *args, *kwargs.values(), *params, *buffers)
+    result = region_call(region.tag, len(args), tuple(kwargs), *values, *params, *buffers)
+    if not carried:
+        return result
+    out, rebound = result
+    for obj, changes in zip(objects, _carried_changes(region.tag), strict=True):
+        carriers.write_back(obj, changes, rebound)
+    return out
 
 
 _allowed: list[bool] = []
@@ -892,7 +1068,7 @@ dynamo_exclude.exclude(
         for fn in list(globals().values())
         if isinstance(fn, types.FunctionType)
         and fn.__module__ == __name__
-        and fn.__name__ not in {"region_call", "traced_region", "_carriable"}
+        and fn.__name__ not in {"region_call", "traced_region", "_carriable", "_carried_changes"}
     ),
     *(
         fn

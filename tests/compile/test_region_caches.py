@@ -1,0 +1,110 @@
+"""Hugging Face key-value caches carried by in-graph regions: prefill and decode with ``fullgraph=True``.
+
+Each model's attentions are regions in full float32, under a TF32 default; the model's
+``forward`` is compiled whole and run with a ``DynamicCache`` or a ``StaticCache`` through a
+prefill and greedy decode steps, and compared step by step with its twin scoped eagerly (no
+compile) fed its own cache: the chosen tokens, the logits, and every cache tensor. A forward
+hook on each bare attention passes its output through a probe, which reads the precision
+where the attention runs. Before regions carried caches, a cache argument was a graph break
+(``fullgraph=True`` failed).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from fp32scope import current_fp32_precision, scope_modules, set_process_default
+from tests._support import probe as _probe
+from tests._support.advise_models import tiny_mixtral
+from tests._support.common import DEFAULT, FULL
+from tests._support.hf import tiny_gpt2, tiny_llama
+from tests._support.probe import phases, probe
+
+pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
+
+KEPT = {"matmul": "highest", "cudnn_allow_tf32": False}
+PROMPT = 5  # tokens in the prompt
+STEPS = 3  # decode steps after the prefill: the first decode and two with a cache of varying length
+
+#: Each model: how to build it, and the pattern naming its attentions.
+MODELS: dict[str, tuple[Callable[[], Any], str]] = {
+    "llama": (tiny_llama, r"re:model\.layers\.\d+\.self_attn"),
+    "gpt2": (tiny_gpt2, r"re:transformer\.h\.\d+\.attn"),
+    "mixtral": (tiny_mixtral, r"re:model\.layers\.\d+\.self_attn"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _clear_probes() -> None:
+    _probe.SEEN.clear()
+
+
+def _probe_attentions(model: torch.nn.Module, pattern: str) -> int:
+    def hook(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
+        return (probe(output[0], "attention"), *output[1:])
+
+    found = 0
+    for name, module in model.named_modules():
+        if re.fullmatch(pattern.removeprefix("re:"), name):
+            module.register_forward_hook(hook)
+            found += 1
+    return found
+
+
+def _cache(kind: str, model: Any) -> Any:
+    from transformers import DynamicCache, StaticCache
+
+    if kind == "dynamic":
+        return DynamicCache()  # no config: it adds each layer on its first update, inside the region
+    return StaticCache(config=model.config, max_cache_len=PROMPT + STEPS + 2)
+
+
+def _assert_caches_equal(got: Any, want: Any, step: int) -> None:
+    assert len(got.layers) == len(want.layers)
+    for i, (mine, theirs) in enumerate(zip(got.layers, want.layers, strict=True)):
+        assert type(mine) is type(theirs)
+        assert mine.is_initialized == theirs.is_initialized
+        for field in ("keys", "values", "cumulative_length"):
+            if hasattr(theirs, field):
+                torch.testing.assert_close(
+                    getattr(mine, field), getattr(theirs, field), msg=f"{field}[{i}], step {step}"
+                )
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("llama", "dynamic"), ("llama", "static"), ("gpt2", "dynamic"), ("gpt2", "static"), ("mixtral", "dynamic")],
+)
+def test_attentions_as_regions_carry_the_cache_through_prefill_and_decode(name: str, kind: str) -> None:
+    build, pattern = MODELS[name]
+    set_process_default(DEFAULT)
+    model = build()
+    n_attentions = _probe_attentions(model, pattern)
+    twin = copy.deepcopy(model)
+    scope_modules(model, {pattern: KEPT}, in_graph=True)
+    scope_modules(twin, {pattern: KEPT})
+    compiled: Callable[..., Any] = torch.compile(model.forward, fullgraph=True)
+    cache, twin_cache = _cache(kind, model), _cache(kind, twin)
+    ids = torch.randint(0, model.config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+    start = 0
+    with torch.no_grad():
+        for step in range(1 + STEPS):
+            positions = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
+            _probe.SEEN.clear()
+            got = compiled(input_ids=ids, cache=cache, use_cache=True, position_ids=positions)
+            assert phases("fwd")["attention"] == [FULL] * n_attentions  # each attention, in its precision
+            assert current_fp32_precision() == DEFAULT
+            want = twin(input_ids=ids, cache=twin_cache, use_cache=True, position_ids=positions)
+            torch.testing.assert_close(got.logits, want.logits, msg=f"logits, step {step}")
+            _assert_caches_equal(cache, twin_cache, step)
+            start += ids.shape[1]
+            ids = got.logits[:, -1:].argmax(-1)
+            assert torch.equal(ids, want.logits[:, -1:].argmax(-1)), f"tokens, step {step}"
+    assert sum(counters["graph_break"].values()) == 0
