@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 __all__ = [
     "Fp32AutocastWarning",
     "Fp32BackwardNotScopedWarning",
@@ -10,7 +14,24 @@ __all__ = [
     "Fp32ParameterDtypeWarning",
     "Fp32RegionBreakWarning",
     "Fp32ScopeError",
+    "user_stacklevel",
 ]
+
+_PACKAGE = str(Path(__file__).parent) + os.sep  # as the frames of its modules name their files
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside fp32scope: the user's call.
+
+    Called by the function that warns. A wrapper's call takes one frame or two (an in-graph
+    region's proxy adds its own), so a fixed level would point into fp32scope.
+    """
+    frame = sys._getframe(1)  # the function that warns: stacklevel 1
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 class Fp32ScopeError(RuntimeError):

@@ -28,13 +28,13 @@ from fp32scope._compat import DYNAMO_RESETS_MEDIUM, dynamo_shows_disable_reason
 __all__ = ["dynamo_resets_medium", "ensure", "exclude", "mark_function", "rename_where_no_reason"]
 
 _REASON = (
-    "fp32scope: a scoped call changes torch's process-wide float32 precision flags, so by default it runs "
-    "outside the compiled graph, a graph break (under torch.compile the callable it wraps is still compiled, "
-    "inside the scope). To keep the node inside one graph (fullgraph=True), make its wrapper with in_graph=True: "
-    "Fp32ScopedModule(module, precision, in_graph=True), scope_modules(model, policy, in_graph=True) or "
-    "with_fp32_precision(precision, in_graph=True). torch.export cannot export a scoped call: one exported graph "
-    "cannot carry a precision change. Export the bare node (scoped.__wrapped__), then compile or save it with "
-    "its precision: fp32scope.aoti_compile_and_package(exported_program, precision) or "
+    "fp32scope: a scoped call made with in_graph=False changes torch's process-wide float32 precision flags "
+    "outside the compiled graph, a graph break (the callable it wraps is still compiled, inside the scope; on "
+    "torch >= 2.8 a break inside a loop makes Dynamo run that loop's whole frame uncompiled). To keep the node "
+    "inside one graph (fullgraph=True), leave in_graph at its default, in_graph=True: an in-graph region. "
+    "torch.export cannot export a scoped call: one exported graph cannot carry a precision change. Export the "
+    "bare node (scoped.__wrapped__), then compile or save it with its precision: "
+    "fp32scope.aoti_compile_and_package(exported_program, precision) or "
     "fp32scope.save_exported_program(exported_program, f, precision)"
 )
 _pending: list[tuple[Callable[..., Any], bool]] = []
@@ -59,7 +59,7 @@ def exclude(*functions: Callable[..., Any], graph_break: bool = True) -> None:
 
 #: Where Dynamo shows no reason (torch 2.4), a marked function it names in a
 #: ``fullgraph=True`` failure says what to do in its qualified name.
-_NAMED_REASON = " [fp32scope: a graph break; in_graph=True keeps the node in one graph]"
+_NAMED_REASON = " [fp32scope: a graph break (in_graph=False); in_graph=True keeps the node in one graph]"
 _renamed: list[tuple[Callable[..., Any], str]] = []
 
 

@@ -18,7 +18,7 @@ from fp32scope._compat import (
     is_dynamo_compiling,
     is_exporting,
 )
-from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError
+from fp32scope._errors import Fp32FlagsChangedWarning, Fp32ScopeError, user_stacklevel
 from fp32scope._flags import dynamo_exclude, torch_flags
 from fp32scope._flags.autograd_threads import runs_backward_for
 from fp32scope._flags.eager_fallback import warn_eager_fallback
@@ -30,6 +30,7 @@ from fp32scope._flags.hooks import profiler_state as _profiler_state
 from fp32scope._flags.precision import MATMUL_PRECISIONS, Fp32Precision, check_precision
 
 __all__ = [
+    "EXPORTING_MSG",
     "Token",
     "active_scope_thread",
     "conflict_error",
@@ -71,7 +72,7 @@ _COMPILING_MSG: Final = (
 
 # torch.export traces with is_compiling() True too (non-strict export; strict export meets
 # the wrappers' Dynamo mark first, whose reason is dynamo_exclude._REASON): its own message.
-_EXPORTING_MSG: Final = (
+EXPORTING_MSG: Final = (
     "torch.export cannot export a scoped call (an Fp32ScopedModule, a with_fp32_precision "
     "function or an fp32_precision_scope): one exported graph cannot carry a float32 precision "
     "change, because torch reads the process-wide precision flags when it compiles the graph "
@@ -110,7 +111,7 @@ def _graph_break_with_reason(ctx: Any) -> None:
     # "ComptimeContext graph break"). Without fullgraph Dynamo then runs the function
     # around the scope eagerly, which only its logs would say: warn (once per location).
     if _is_exporting():  # strict torch.export traces with Dynamo: say what export needs
-        ctx.graph_break(_EXPORTING_MSG)
+        ctx.graph_break(EXPORTING_MSG)
         return
     warn_eager_fallback(ctx)
     ctx.graph_break(_COMPILING_MSG)
@@ -129,7 +130,7 @@ def _refuse_traced() -> NoReturn:
     from torch._dynamo.comptime import comptime
 
     comptime(_graph_break_with_reason)
-    raise Fp32ScopeError(_EXPORTING_MSG if _is_exporting() else _COMPILING_MSG)
+    raise Fp32ScopeError(EXPORTING_MSG if _is_exporting() else _COMPILING_MSG)
 
 
 _CHECKED: Final = MATMUL_PRECISIONS
@@ -184,14 +185,14 @@ def _release() -> None:
         _owner.pop(0, None)
 
 
-def _warn_changed(changed: str, name: str | None, stacklevel: int) -> None:
+def _warn_changed(changed: str, name: str | None) -> None:
     where = f" around {name!r}" if name is not None else ""
     msg = (
         f"The code inside an fp32_precision_scope{where} changed the float32 precision flags the scope "
         f"applied; the scope restored the state it saved on entry. Changed: {changed}. Declare the "
         "precision on the node (or its wrapper) instead of setting torch's flags inside its forward."
     )
-    warnings.warn(msg, Fp32FlagsChangedWarning, stacklevel=stacklevel + 1)
+    warnings.warn(msg, Fp32FlagsChangedWarning, stacklevel=user_stacklevel())
 
 
 class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used as a context manager)
@@ -234,7 +235,7 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
 
     # _marks is used by _LegacyDynamoScope only; declared here so that an instance can
     # switch to that subclass (same layout) when it is made.
-    __slots__ = ("_fields", "_held", "_marks", "_name", "_outer", "_phase", "_stacklevel", "_token")
+    __slots__ = ("_fields", "_held", "_marks", "_name", "_outer", "_phase", "_token")
     _phase: str  # set by wrapper_scope only: "forward" or "backward", for fp32scope.trace()
 
     def __init__(self, precision: Fp32Precision | None) -> None:
@@ -259,7 +260,6 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
         self._token: Token | None = None
         self._outer: list[Token] | None = None  # tokens of outer entries of this same object
         self._name: str | None = None
-        self._stacklevel = 2
         if _LEGACY_DYNAMO and self._fields is not None and self._fields[0] in _KEPT_BY_LEGACY_SCOPE:
             self.__class__ = _LegacyDynamoScope
             self._marks: list[tuple[int, bool]] = []
@@ -340,7 +340,7 @@ class fp32_precision_scope:  # noqa: N801  (lower case like torch.no_grad: used 
             if _depth == 0:
                 _owner.pop(0, None)
         if changed is not None:
-            _warn_changed(changed, self._name, self._stacklevel)
+            _warn_changed(changed, self._name)
 
     def __repr__(self) -> str:
         return f"fp32_precision_scope({self.precision!r})"
@@ -406,7 +406,7 @@ class _LegacyDynamoScope(fp32_precision_scope):
             if _depth == 0:
                 _owner.pop(0, None)
         if changed is not None and not torch_only:
-            _warn_changed(changed, self._name, self._stacklevel)
+            _warn_changed(changed, self._name)
 
 
 def wrapper_scope(precision: Fp32Precision | None, name: str, phase: str = "forward") -> fp32_precision_scope:
@@ -420,7 +420,6 @@ def wrapper_scope(precision: Fp32Precision | None, name: str, phase: str = "forw
     scope = fp32_precision_scope(precision)
     scope._name = name
     scope._phase = phase
-    scope._stacklevel = 3
     scope._held = None
     return scope
 

@@ -45,7 +45,7 @@ import torch
 from torch.utils import _pytree
 
 from fp32scope._compat import CURRENT_GRAPH_TASK_KEEPS_GRAPH
-from fp32scope._errors import Fp32BackwardNotScopedWarning, Fp32ScopeError
+from fp32scope._errors import Fp32BackwardNotScopedWarning, Fp32ScopeError, user_stacklevel
 from fp32scope._flags import dynamo_exclude
 from fp32scope._flags.scope import fp32_precision_scope, wrapper_scope
 from fp32scope._training.leaf_grads import LeafAccumulation, engine_grad, mute_tensor_hooks, unmute
@@ -142,15 +142,9 @@ class _State:
 
 
 def recording_scope(scope: fp32_precision_scope) -> fp32_precision_scope:
-    """A twin of a wrapper's ``scope`` for :func:`call_recorded`, whose frames sit in between.
-
-    Warnings still point at the wrapper's caller: ``call_recorded`` is one more frame
-    between the scope's exit and that caller (``_call_in_transform`` one more again, there
-    the warning points one frame short).
-    """
+    """A twin of a wrapper's ``scope`` (its precision and name) for :func:`call_recorded`."""
     twin = wrapper_scope(scope.precision, scope._name or "")
     twin._name = scope._name
-    twin._stacklevel = scope._stacklevel + 1
     return twin
 
 
@@ -347,7 +341,7 @@ def _warn_once(owner: fp32_precision_scope, kind: str, msg: str) -> None:
     if key in _warned:
         return
     _warned.add(key)
-    warnings.warn(msg, Fp32BackwardNotScopedWarning, stacklevel=4)
+    warnings.warn(msg, Fp32BackwardNotScopedWarning, stacklevel=user_stacklevel())
 
 
 def _warn_not_scoped(owner: fp32_precision_scope) -> None:

@@ -35,7 +35,7 @@ from typing import Any, Final
 
 import torch
 
-from fp32scope._errors import Fp32AutocastWarning
+from fp32scope._errors import Fp32AutocastWarning, user_stacklevel
 from fp32scope._flags import dynamo_exclude
 from fp32scope._flags.precision import Fp32Precision
 from fp32scope._flags.scope import _is_exporting
@@ -167,8 +167,7 @@ def _warn(policy: AutocastPolicy) -> None:
         "(autocast off inside the node, its floating-point arguments cast to float32), or autocast=True to "
         "keep the caller's autocast and silence this warning."
     )
-    # Stack: warn <- run_under_autocast <- the wrapper <- its caller.
-    warnings.warn(msg, Fp32AutocastWarning, stacklevel=4)
+    warnings.warn(msg, Fp32AutocastWarning, stacklevel=user_stacklevel())
 
 
 def run_under_autocast(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -93,12 +93,14 @@ def with_fp32_precision(  # noqa: PLR0913  (keyword-only options)
     declaration counts where the argument is None.
 
     Apply it to the compiled callable, never inside it: Dynamo cannot trace a flag change.
-    A target that is not compiled already and is called from compiled code, or whose
-    wrapper is handed to ``torch.compile``, is compiled as a graph of its own, inside the
-    scope (a graph break in the caller). With ``in_graph=True`` a compiling caller traces
-    the call instead as one region of its own graph: no graph break, ``fullgraph=True``
-    works, and the target runs eagerly inside the scope (see the compiled guide); a
-    function target then takes every tensor that needs a gradient as an argument.
+    By default (``in_graph`` None or True) a compiling caller traces the call as one region
+    of its own graph: no graph break, ``fullgraph=True`` works, and the target runs eagerly
+    inside the scope (see the compiled guide); a function target then takes every tensor
+    that needs a gradient as an argument (a method reaching its module through ``self`` is a
+    graph break instead: wrap the module with :class:`~fp32scope.Fp32ScopedModule`). With
+    ``in_graph=False``, a target that is not compiled already and is called from compiled
+    code is compiled as a graph of its own, inside the scope (a graph break in the caller).
+    A wrapper handed to ``torch.compile`` itself compiles its target that way too.
     ``eager=True`` keeps the target as eager runs it, never compiled (an in-graph region
     unless ``in_graph=False``, where the caller graph-breaks and the target runs eagerly),
     as for :class:`~fp32scope.Fp32ScopedModule`; ``precision`` may then be None.
@@ -117,7 +119,7 @@ def with_fp32_precision(  # noqa: PLR0913  (keyword-only options)
         raise TypeError(msg)
     check_backward(backward)
     check_eager(eager)
-    region = eager if in_graph is None else check_in_graph(in_graph)
+    region = True if in_graph is None else check_in_graph(in_graph)
     mode = check_autocast(autocast)
     fields = split(checked)
 
@@ -197,7 +199,10 @@ def _in_graph_function(scoped: Callable[..., Any], region: Region) -> Callable[.
     return in_graph
 
 
-_is_compiling = torch.compiler.is_compiling
+# Dynamo tracing (torch.compile, strict export): a region. torch.export's non-strict tracer
+# instead traces the scoped call, as for a graph-break wrapper (a node with only an
+# autocast action exports; one with a precision is refused, saying what to do).
+_is_compiling = torch.compiler.is_dynamo_compiling
 
 
 # Every closure made by _scoped_function shares one code object: skip it once.
@@ -205,3 +210,7 @@ dynamo_exclude.exclude(
     _scoped_function(print, fp32_precision_scope(None), None, False, None, AutocastPolicy(True, None, "")),
     graph_break=False,
 )
+# ``torch.compile(wrapper)`` starts its frame in an in-graph wrapper: run as plain Python,
+# where the scoped call compiles the target as a graph of its own, inside the scope; a
+# compiling caller still inlines it (one region of its graph).
+dynamo_exclude.exclude(_in_graph_function(print, cast("Region", None)), graph_break=False)

@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from fp32scope._compat import fsdp2_param_dtype
-from fp32scope._errors import Fp32ParameterDtypeWarning
+from fp32scope._errors import Fp32ParameterDtypeWarning, user_stacklevel
 from fp32scope._flags import dynamo_exclude
 from fp32scope._flags.precision import Fp32Precision
 
@@ -71,8 +71,8 @@ def warn_low_precision_parameters(module: torch.nn.Module, precision: Fp32Precis
     """Warn when ``module``'s parameters are bf16 or fp16 (see the module docstring)."""
     found = low_precision_parameters(module)
     if found is not None:
-        # Stack: warn <- this <- the wrapper's __call__ <- its caller.
-        warnings.warn(parameter_dtype_message(name, precision, found), Fp32ParameterDtypeWarning, stacklevel=3)
+        message = parameter_dtype_message(name, precision, found)
+        warnings.warn(message, Fp32ParameterDtypeWarning, stacklevel=user_stacklevel())
 
 
 # Frames only: these run in a wrapper's eager call, where a compiling caller's Dynamo

@@ -293,14 +293,13 @@ class _Step(NamedTuple):
 def _region_of(rule: _Rule | None, in_graph: bool | None) -> bool:
     """Whether a node is an in-graph region.
 
-    Its rule's own ``in_graph``, else scope_modules' argument, else a region for an eager
-    node (kept eager, and no graph break) and a graph break for the others.
+    Its rule's own ``in_graph``, else scope_modules' argument, else a region.
     """
     if rule is not None and rule.in_graph is not None:
         return rule.in_graph
     if in_graph is not None:
         return in_graph
-    return rule is not None and rule.eager
+    return True
 
 
 def _plan(root: torch.nn.Module, policy: object, in_graph: bool | None) -> list[_Step]:
@@ -391,8 +390,7 @@ def scope_modules(
     False: the node runs without the caller's autocast) are passed to each wrapper, and so
     is ``in_graph`` (True: under ``torch.compile`` each node is one region of the compiled
     parent's graph, no graph break; see the compiled guide; False: a graph break; None,
-    the default: a region for an eager node, a graph break for the others) where a rule
-    gives none.
+    the default: a region) where a rule gives none.
     Undo with :func:`unscope_modules`; list with :func:`scoped_modules`.
 
     >>> import torch

@@ -26,7 +26,7 @@ from fp32scope._wrappers.autocast import (
 )
 from fp32scope._wrappers.node import declared_autocast
 from fp32scope._wrappers.param_dtype import warn_low_precision_parameters
-from fp32scope._wrappers.region import Region, check_in_graph, traced_region
+from fp32scope._wrappers.region import Region, check_in_graph, traced_region, warn_break
 from fp32scope._wrappers.trampoline import (
     active_callback,
     check_eager,
@@ -97,13 +97,16 @@ class Fp32ScopedModule(_ProxyBase):
     ``model = scoped.to(device).eval()`` keeps the precision. ``copy.copy``,
     ``copy.deepcopy`` and pickling keep the proxy around a copy of the module.
 
-    Under ``torch.compile`` the proxy's call is never traced (a flag change cannot be): a
-    parent compiled as a whole graph-breaks at the proxy, and the wrapped module, whatever
-    its class (``torch.nn`` built-ins included), is compiled as a graph of its own by the
-    parent's backend, inside the scope, forward and backward, once; the rest of the parent
-    compiles under the process default. ``torch.compile(proxy)`` compiles the module inside
-    the scope the same way. A module compiled already (``torch.compile(module)``) is called
-    as it is, never compiled again.
+    Under ``torch.compile`` a flag change cannot be traced. By default (``in_graph`` None or
+    True) a parent compiled as a whole holds the proxy's call as one in-graph region of its
+    graph (no graph break, ``fullgraph=True`` compiles): the node runs at run time inside
+    its scope, forward and backward, and the rest of the parent at the process default (see
+    the compiled guide). With ``in_graph=False`` the parent graph-breaks at the proxy, and
+    the wrapped module, whatever its class (``torch.nn`` built-ins included), is compiled as
+    a graph of its own by the parent's backend, inside the scope, once.
+    ``torch.compile(proxy)`` compiles the module inside the scope that way, whatever
+    ``in_graph`` says. A module compiled already (``torch.compile(module)``) is called as
+    it is, never compiled again.
 
     Training: when a call records autograd history (grad mode on and an output requires
     grad), the backward of every autograd node that call created runs in the same
@@ -125,8 +128,8 @@ class Fp32ScopedModule(_ProxyBase):
     ``eager=True`` keeps the node as eager runs it, never compiled: its own kernels,
     unfused, forward and backward, bit for bit the node called eagerly on the same inputs
     (Inductor's fusions and math routines change low-precision results: see the compiled
-    guide). Inside a compiled parent it is one in-graph region (``in_graph`` defaults to
-    True); with ``in_graph=False`` the parent graph-breaks at it and it runs eagerly there.
+    guide). Inside a compiled parent it is one in-graph region; with ``in_graph=False`` the
+    parent graph-breaks at it and it runs eagerly there.
     ``precision`` may then be None: the flags stay as the caller has them.
 
     ``precision`` is checked here; None or an all-None precision makes a proxy that adds
@@ -136,9 +139,8 @@ class Fp32ScopedModule(_ProxyBase):
     """
 
     def __new__(cls, /, *_args: Any, **kwargs: Any) -> Fp32ScopedModule:  # noqa: PYI034  (may make a subclass)
-        # in_graph=True makes the subclass whose call Dynamo traces (see _InGraphScopedModule).
-        in_graph = kwargs.get("in_graph")
-        region = in_graph is True or (in_graph is None and kwargs.get("eager") is True)
+        # A region (in_graph True or None) is the subclass whose call Dynamo traces (see _InGraphScopedModule).
+        region = kwargs.get("in_graph") is not False
         kind = _InGraphScopedModule if cls is Fp32ScopedModule and region else cls
         proxy: Fp32ScopedModule = super().__new__(kind)
         return proxy
@@ -168,7 +170,7 @@ class Fp32ScopedModule(_ProxyBase):
             raise TypeError(msg)
         check_backward(backward)
         check_eager(eager)
-        in_graph = eager if in_graph is None else check_in_graph(in_graph)
+        in_graph = True if in_graph is None else check_in_graph(in_graph)
         label = name if name is not None else _default_name(module)
         if eager:
             refuse_compiled_eager(module, label)
@@ -223,14 +225,21 @@ class Fp32ScopedModule(_ProxyBase):
         if grad_enabled() and self._self_backward:  # no_grad / inference_mode: one C call
             fn = self.__wrapped__
             if active_callback():
-                fn = compiled_call(fn, self._self_trampoline)
+                fn = self._compiled_here(args, kwargs)
             return call_recorded(self._self_record_scope, fn, args, kwargs)
         with self._self_scope:
             # Dynamo's frame callback is active while a compiled caller runs its eager parts
             # (this call among them): compile the module here, inside the scope.
             if not active_callback():  # (one C call; eager calls stop here)
                 return self.__wrapped__(*args, **kwargs)
-            return compiled_call(self.__wrapped__, self._self_trampoline)(*args, **kwargs)
+            return self._compiled_here(args, kwargs)(*args, **kwargs)
+
+    def _compiled_here(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[..., Any]:
+        # A region's call reaches here from a compiled caller where the caller graph-broke
+        # at it, with an argument the region cannot carry: say so, once.
+        if self._self_region is not None:
+            warn_break(self._self_region, args, kwargs)
+        return compiled_call(self.__wrapped__, self._self_trampoline)
 
     # How Dynamo reaches the call when the proxy is a child of a compiled parent. torch 2.4's
     # Dynamo (nn-module inlining off) treats any nn.Module attribute as a static module: it
@@ -365,6 +374,27 @@ class _InGraphScopedModule(Fp32ScopedModule):
 
     _self_region: Region
 
+    # Attributes of the wrapped module, as wrapt's C __getattr__ reads them, but in Python:
+    # a compiling parent that reads ``child.weight`` or ``child.training`` traces through it
+    # (Dynamo refuses a "non-function __getattr__"). Reached only where the proxy's own
+    # lookup fails, so its own state reads cost nothing more.
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__wrapped__, name)
+
+    # Container protocol of the wrapped module (``child[0]``, ``for m in child``), which
+    # wrapt implements in C, where a compiling parent's Dynamo cannot follow.
+    def __getitem__(self, key: Any) -> Any:
+        return self.__wrapped__[key]
+
+    def __iter__(self) -> Any:
+        return iter(self.__wrapped__)
+
+    def __len__(self) -> int:
+        return len(self.__wrapped__)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.__wrapped__
+
     # Dynamo inlines this call (it is not marked): where it traces, the call becomes one
     # region of the graph; anywhere else it is the scoped call.
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
@@ -378,6 +408,7 @@ class _InGraphScopedModule(Fp32ScopedModule):
     def forward(self) -> Callable[..., Any]:
         """The wrapped module's ``forward``, run inside the scope; under Dynamo, a region of its own."""
         # One object in and out of tracing: Dynamo's guards read ``.forward`` again, eagerly.
+        # (So, eagerly, it calls the wrapped module's ``forward`` as found at each call.)
         found: Callable[..., Any] | None = self._self_own.dict.get("forward")
         if found is None:  # nothing to scope (a no-op precision, no autocast action)
             return _forward_getter(self)
@@ -392,7 +423,10 @@ class _InGraphScopedModule(Fp32ScopedModule):
         del self.__wrapped__.forward
 
 
-_is_compiling = torch.compiler.is_compiling
+# Dynamo tracing (torch.compile, strict export): a region. torch.export's non-strict tracer
+# instead traces the scoped call, as for a graph-break wrapper (a node with only an
+# autocast action exports; one with a precision is refused, saying what to do).
+_is_compiling = torch.compiler.is_dynamo_compiling
 _scoped_call = Fp32ScopedModule.__call__
 
 
@@ -511,6 +545,10 @@ dynamo_exclude.exclude(
 _forward_getter = cast("Callable[[Fp32ScopedModule], Callable[..., Any]]", vars(Fp32ScopedModule)["forward"].fget)
 dynamo_exclude.exclude(_forward_getter, graph_break=False)
 dynamo_exclude.exclude(vars(_InGraphScopedModule)["forward"].fget, graph_break=False)
+# ``torch.compile(proxy)`` starts its frame in this call: run as plain Python, where the
+# scoped call compiles the wrapped module as a graph of its own, inside the scope; a
+# compiling parent still inlines it (one region of its graph).
+dynamo_exclude.exclude(_InGraphScopedModule.__call__, graph_break=False)
 
 
 def precision_of(obj: object) -> Fp32Precision | None:

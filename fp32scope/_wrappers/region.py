@@ -71,13 +71,13 @@ from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fp32scope._compat import COMPILER_STATE, COMPILING_FLAG, dtensor_type, is_exporting
-from fp32scope._errors import Fp32RegionBreakWarning, Fp32ScopeError
+from fp32scope._errors import Fp32RegionBreakWarning, Fp32ScopeError, user_stacklevel
 from fp32scope._flags import dynamo_exclude
-from fp32scope._flags.scope import fp32_precision_scope, wrapper_scope
+from fp32scope._flags.scope import EXPORTING_MSG, fp32_precision_scope, wrapper_scope
 from fp32scope._wrappers import carriers
 from fp32scope._wrappers.autocast import AutocastPolicy, cast_to_float32, warn_once_under_autocast
 
-__all__ = ["Region", "check_in_graph", "region_call", "traced_region"]
+__all__ = ["Region", "check_in_graph", "region_call", "traced_region", "warn_break"]
 
 _lib = torch.library.Library("fp32scope", "FRAGMENT")  # type: ignore[no-untyped-call]  # torch's untyped API
 
@@ -889,13 +889,11 @@ for _name, _fake in (
 
 
 def _refuse_export(region: Region) -> None:
+    # The same refusal as a graph-break wrapper's, naming the node: a loading process would
+    # not have this process's regions either.
     msg = (
-        f"torch.export cannot export scoped node {region.name!r} (in_graph=True): its region runs the node "
-        "through this process's fp32scope, which a loading process does not have. Export the bare node "
-        "(scoped.__wrapped__) and save or compile it with its precision: "
-        "fp32scope.save_exported_program(exported_program, f, precision) or "
-        "fp32scope.aoti_compile_and_package(exported_program, precision); or export the model with the node "
-        "unscoped (fp32scope.unscope_modules(model))."
+        f"{EXPORTING_MSG} The scoped node here is {region.name!r} (an in-graph region); to export the model "
+        "with its nodes unscoped, use fp32scope.unscope_modules(model)."
     )
     raise Fp32ScopeError(msg)
 
@@ -989,18 +987,25 @@ _BREAK_REASON: Final = (
 def _break_call(tag: str, /, *args: Any, **kwargs: Any) -> Any:
     """A region's call that cannot be one: run as a graph break (Dynamo stops at this frame)."""
     region = _regions[int(tag.removeprefix(_TAG))]
-    if not region.warned_break:
-        region.warned_break = True
-        kinds = sorted({type(v).__name__ for v in (*args, *kwargs.values()) if not _carriable(v)})
-        warnings.warn(
-            f"Scoped node {region.name!r} (an in-graph region) was called inside a compiled graph with an argument "
-            f"of type {', '.join(kinds)}, which a region cannot carry: this call is a graph break instead, the node "
-            "run in its scope. Pass the object's tensors as arguments, or scope a module inside the node that takes "
-            "only tensors.",
-            Fp32RegionBreakWarning,
-            stacklevel=2,
-        )
+    warn_break(region, args, kwargs)
     return region.fallback(*args, **kwargs)
+
+
+def warn_break(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Warn once per region if a call's arguments hold one a region cannot carry (the call is a graph break)."""
+    if region.warned_break:
+        return
+    kinds = sorted({type(v).__name__ for v in (*args, *kwargs.values()) if not _carriable(v)})
+    if kinds:
+        region.warned_break = True
+        warnings.warn(
+            f"Scoped node {region.name!r} (an in-graph region) was called inside a compiled graph with an "
+            f"argument of type {', '.join(kinds)}, which a region cannot carry: this call is a graph break "
+            "instead, the node run in its scope. Pass the object's tensors as arguments, or scope a module inside "
+            "the node that takes only tensors.",
+            Fp32RegionBreakWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 _break_call._torchdynamo_disable = True  # type: ignore[attr-defined]

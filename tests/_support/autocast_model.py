@@ -58,15 +58,15 @@ class Model(torch.nn.Module):
         return self.post(r.softmax(-1)), r
 
 
-def pair(*, record: bool = True, **kwargs: Any) -> tuple[Model, Model]:
-    """The wrapped stack and the hand-written one, with the same weights."""
+def pair(*, record: bool = True, in_graph: bool | None = None, **kwargs: Any) -> tuple[Model, Model]:
+    """The wrapped stack and the hand-written one, with the same weights (``in_graph``: the router's)."""
     torch.manual_seed(0)
     hand = Model(HandRouter(), **kwargs)
     router = Router()
     router.record = record
     wrapped = Model(router, **kwargs)
     wrapped.load_state_dict(hand.state_dict())
-    wrapped.router = Fp32ScopedModule(router, FULL, autocast=False)  # type: ignore[assignment]
+    wrapped.router = Fp32ScopedModule(router, FULL, autocast=False, in_graph=in_graph)  # type: ignore[assignment]
     return wrapped, hand
 
 

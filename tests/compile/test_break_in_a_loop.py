@@ -65,7 +65,9 @@ def _releases_skip_the_loops_code() -> bool:
 
 
 def test_a_break_in_a_sequential_makes_every_sequential_run_uncompiled_on_recent_torch() -> None:
-    broken = torch.nn.Sequential(torch.nn.Linear(8, 8), _module(Fp32ScopedModule(torch.nn.Linear(8, 8), FULL)))
+    broken = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), _module(Fp32ScopedModule(torch.nn.Linear(8, 8), FULL, in_graph=False))
+    )
     frames = _plain_sequential_runs_python_after(broken)
     if _releases_skip_the_loops_code():
         assert frames == 1  # the unscoped model's forward ran as Python: uncompiled

@@ -154,7 +154,7 @@ class Parent(torch.nn.Module):
 def parent_with_scoped_child() -> tuple[Parent, torch.Tensor]:
     torch.manual_seed(0)
     # (typing.cast: a proxy is an nn.Module at run time, not to a type checker)
-    return Parent(cast("torch.nn.Module", Fp32ScopedModule(Child(), FULL))), torch.randn(64, 512)
+    return Parent(cast("torch.nn.Module", Fp32ScopedModule(Child(), FULL, in_graph=False))), torch.randn(64, 512)
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
@@ -194,7 +194,7 @@ def test_compiled_parent_runs_the_child_in_its_scope_and_the_rest_under_the_defa
         set_process_default(Fp32Precision("medium", True))
         with forbid_recompiles():
             a, b, _ = compiled(x)
-        b_expected = Fp32ScopedModule(child, FULL)(torch.relu(a))
+        b_expected = Fp32ScopedModule(child, FULL, in_graph=False)(torch.relu(a))
     assert torch.get_float32_matmul_precision() == "medium"
     gap = (a_medium - a_full).abs().max().item()
     assert gap > 0
@@ -206,15 +206,15 @@ def test_compiled_parent_runs_the_child_in_its_scope_and_the_rest_under_the_defa
 def test_fullgraph_parent_with_a_scoped_child_is_refused_with_the_reason() -> None:
     parent, x = parent_with_scoped_child()
     if "reason" in inspect.signature(torch._dynamo.disable).parameters:
-        reason = "fp32scope: a scoped call changes torch's process-wide float32 precision flags"
+        reason = "fp32scope: a scoped call made with in_graph=False changes torch's process-wide float32"
     else:  # torch 2.4's Dynamo names the disabled function and gives no reason
-        reason = r"wrapped function <function Fp32ScopedModule.__call__ \[fp32scope: a graph break; in_graph=True"
+        reason = r"wrapped function <function Fp32ScopedModule.__call__ \[fp32scope: a graph break \(in_graph=False\)"
     with pytest.raises(RuntimeError, match=reason), torch.no_grad():
         torch.compile(parent, backend="eager", fullgraph=True)(x)
 
 
 def test_a_decorated_function_inside_a_compiled_function_breaks_cleanly() -> None:
-    @with_fp32_precision(FULL)
+    @with_fp32_precision(FULL, in_graph=False)
     def inner(x: torch.Tensor) -> torch.Tensor:
         return x @ x
 
@@ -272,7 +272,7 @@ def test_regional_compilation_compiles_each_block_in_its_precision_with_no_graph
         )
         return cast("torch.nn.Module", compiled)
 
-    blocks = [block(), cast("torch.nn.Module", Fp32ScopedModule(block(), FULL)), block()]
+    blocks = [block(), cast("torch.nn.Module", Fp32ScopedModule(block(), FULL, in_graph=False)), block()]
     stack = torch.nn.Sequential(*blocks)
     set_process_default(DEFAULT)
     x = torch.randn(4, 8, requires_grad=True)

@@ -80,8 +80,8 @@ def scoped(kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
     torch.manual_seed(0)
     child = CHILDREN[kind]()
     if kind == "function":
-        return cast("Callable[[torch.Tensor], torch.Tensor]", with_fp32_precision(FULL)(child))
-    node = Fp32ScopedModule(child, FULL)
+        return cast("Callable[[torch.Tensor], torch.Tensor]", with_fp32_precision(FULL, in_graph=False)(child))
+    node = Fp32ScopedModule(child, FULL, in_graph=False)
     if kind == "nn.MultiheadAttention":
         return lambda x: node(x, x, x, need_weights=False)[0]
     return cast("Callable[[torch.Tensor], torch.Tensor]", node)
@@ -145,7 +145,7 @@ def test_more_scoped_nodes_than_dynamos_cache_limit_are_all_compiled() -> None:
     # the ninth node on would hit Dynamo's cache size limit (8) and run eagerly, silently.
     set_process_default(DEFAULT)
     torch.manual_seed(0)
-    nodes = [Fp32ScopedModule(torch.nn.Linear(WIDTH, WIDTH), FULL) for _ in range(12)]
+    nodes = [Fp32ScopedModule(torch.nn.Linear(WIDTH, WIDTH), FULL, in_graph=False) for _ in range(12)]
     model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), *cast("list[torch.nn.Module]", nodes))
     recording = Recording()
     run(torch.compile(model, backend=recording.backend()), model, grad=False)
@@ -159,7 +159,7 @@ def test_an_already_compiled_child_is_not_compiled_twice(grad: bool) -> None:
     torch.manual_seed(0)
     inner, outer = Recording(), Recording()
     child = torch.compile(torch.nn.Linear(WIDTH, WIDTH), backend=inner.backend())
-    parent = Parent(cast("Callable[[torch.Tensor], torch.Tensor]", Fp32ScopedModule(child, FULL)))
+    parent = Parent(cast("Callable[[torch.Tensor], torch.Tensor]", Fp32ScopedModule(child, FULL, in_graph=False)))
     run(torch.compile(parent, backend=outer.backend()), parent, grad=grad)
     assert inner.forward == ["highest"]  # its own compile, in the scope (the eager run above too)
     assert inner.backward == (["highest"] if grad else [])
@@ -175,7 +175,7 @@ def test_a_child_compiled_in_place_is_not_compiled_twice() -> None:
     # (A user-defined module: module.compile() of a torch.nn built-in compiles nothing, as
     # Dynamo starts no frame in torch's files, with or without fp32scope.)
     child = UserChild()
-    node = Fp32ScopedModule(child, FULL)
+    node = Fp32ScopedModule(child, FULL, in_graph=False)
     child.compile(backend=inner.backend())  # after wrapping: found at call time
     parent = Parent(cast("Callable[[torch.Tensor], torch.Tensor]", node))
     run(torch.compile(parent, backend=outer.backend()), parent, grad=False)
@@ -194,7 +194,10 @@ def test_children_called_in_a_loop_of_the_parent_are_still_compiled() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.nodes = torch.nn.ModuleList(
-                cast("list[torch.nn.Module]", [Fp32ScopedModule(torch.nn.Linear(WIDTH, WIDTH), FULL) for _ in range(3)])
+                cast(
+                    "list[torch.nn.Module]",
+                    [Fp32ScopedModule(torch.nn.Linear(WIDTH, WIDTH), FULL, in_graph=False) for _ in range(3)],
+                )
             )
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -240,12 +243,12 @@ def test_eager_calls_never_go_through_a_trampoline() -> None:
             seen.append(_trampoline_frames())
             return x
 
-    node = Fp32ScopedModule(Spy(), FULL)
+    node = Fp32ScopedModule(Spy(), FULL, in_graph=False)
     assert _trampoline.active_callback() in (None, False)
     node(torch.ones(1))
     with torch.no_grad():
         node(torch.ones(1))
-    with_fp32_precision(FULL)(Spy())(torch.ones(1))
+    with_fp32_precision(FULL, in_graph=False)(Spy())(torch.ones(1))
     assert seen == [[], [], []]
 
 
@@ -265,7 +268,7 @@ def test_a_compiled_caller_reaches_the_node_through_its_own_trampoline() -> None
             out: torch.Tensor = spy(x)
             return out
 
-    first, second = Fp32ScopedModule(Spy(), FULL), Fp32ScopedModule(Spy(), FULL)
+    first, second = Fp32ScopedModule(Spy(), FULL, in_graph=False), Fp32ScopedModule(Spy(), FULL, in_graph=False)
 
     def caller(x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = second(first(x + 1))
@@ -347,7 +350,7 @@ def test_a_scope_in_a_fullgraph_region_errors_without_the_warning() -> None:
 
 @pytest.mark.usefixtures("fresh_warnings")
 def test_wrappers_in_a_compiled_function_do_not_warn() -> None:
-    node = Fp32ScopedModule(torch.nn.Linear(2, 2), FULL)
+    node = Fp32ScopedModule(torch.nn.Linear(2, 2), FULL, in_graph=False)
 
     def caller(x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = node(x.sin())

@@ -22,7 +22,6 @@ from torch._dynamo.utils import counters
 from fp32scope import (
     Fp32Precision,
     Fp32ScopedModule,
-    Fp32ScopeError,
     current_fp32_precision,
     scope_modules,
     set_process_default,
@@ -364,7 +363,7 @@ def test_a_model_with_breaks_and_one_with_regions_never_share_a_compiled_entry()
     assert phases("fwd")["node"] == [FULL]
 
 
-def test_fullgraph_without_in_graph_says_to_pass_in_graph() -> None:
+def test_fullgraph_with_a_break_says_to_pass_in_graph() -> None:
     compiled = torch.compile(Stack(FULL, in_graph=False), backend="aot_eager", fullgraph=True)
     with pytest.raises(Exception, match="disable") as raised:
         compiled(torch.randn(4, WIDTH))
@@ -567,7 +566,7 @@ def test_a_region_takes_constants_and_returns_tuples() -> None:
 @pytest.mark.parametrize("strict", [False, True])
 def test_export_of_a_model_with_a_region_is_refused_naming_the_per_node_path(strict: bool) -> None:
     model = Stack(FULL, in_graph=True)
-    with pytest.raises(Exception, match=r"torch.export cannot export scoped node .*save_exported_program"):
+    with pytest.raises(Exception, match=r"torch.export cannot export a scoped call.*save_exported_program"):
         torch.export.export(model, (torch.randn(4, WIDTH),), strict=strict)
 
 
@@ -678,7 +677,8 @@ def test_retain_graph_a_second_backward_through_a_region_as_without_fp32scope(ba
         torch.autograd.backward(expected, retain_graph=retain)
         assert phases("bwd")["node"] == [FULL] * (2 if not retain else 1)
     for mine, theirs in zip(node.parameters(), bare.parameters(), strict=True):
-        assert mine.grad is not None and theirs.grad is not None
+        assert mine.grad is not None
+        assert theirs.grad is not None
         torch.testing.assert_close(mine.grad, theirs.grad)
     # Both backwards ran; the second freed the compiled graph and with it the kept one.
     assert len(region_module._saved) == kept

@@ -127,7 +127,7 @@ CHILDREN: dict[str, Callable[[], Any]] = {
 
 def scoped_parent(kind: str) -> Parent:
     torch.manual_seed(0)
-    return Parent(cast("torch.nn.Module", Fp32ScopedModule(CHILDREN[kind](), FULL)))
+    return Parent(cast("torch.nn.Module", Fp32ScopedModule(CHILDREN[kind](), FULL, in_graph=False)))
 
 
 # -- defect 1: no recompile per call -------------------------------------------------------
@@ -209,7 +209,7 @@ def test_the_child_compiles_once_in_its_scope_while_the_default_changes() -> Non
 def test_the_proxys_call_impl_is_its_scoped_call() -> None:
     # torch 2.4's Dynamo calls a module through type(module)._call_impl; on the proxy that
     # is the scoped call (a proxy call is always scoped), eagerly too.
-    proxy = Fp32ScopedModule(ProbedChild(), FULL)
+    proxy = Fp32ScopedModule(ProbedChild(), FULL, in_graph=False)
     torch.set_float32_matmul_precision("high")
     SEEN.clear()
     with torch.no_grad():
@@ -288,7 +288,7 @@ def test_a_scope_made_outside_and_entered_in_a_fullgraph_region() -> None:
 
 
 def test_a_wrapper_in_a_fullgraph_region_names_itself() -> None:
-    @with_fp32_precision(FULL)
+    @with_fp32_precision(FULL, in_graph=False)
     def inner(x: torch.Tensor) -> torch.Tensor:
         return x * 2
 
@@ -298,7 +298,9 @@ def test_a_wrapper_in_a_fullgraph_region_names_itself() -> None:
     with pytest.raises(torch._dynamo.exc.Unsupported) as info:
         torch.compile(outer, backend="eager", fullgraph=True)(torch.randn(2))
     if "reason" in inspect.signature(torch._dynamo.disable).parameters:
-        assert "fp32scope: a scoped call changes torch's process-wide float32 precision flags" in str(info.value)
+        assert "fp32scope: a scoped call made with in_graph=False changes torch's process-wide float32" in str(
+            info.value
+        )
     else:
         # torch 2.4's Dynamo reports a disabled function by its name only, without a reason.
         assert "disable() wrapped function <function test_a_wrapper_in_a_fullgraph_region_names_itself" in str(

@@ -485,12 +485,14 @@ def test_copies_and_pickles_keep_autocast() -> None:
 
 @pytest.mark.compile
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_scoped_child_of_a_compiled_parent_matches_the_eager_hand_written_stack() -> None:
-    # The parent compiles under the caller's autocast; the child graph-breaks out, and its
-    # own graph compiles (and runs) with autocast off. The reference is the eager stack:
-    # torch 2.13 compiles the hand-written stack's backward of the autocast-off region
-    # under the caller's autocast (its router weight gradient comes out in bf16 precision).
-    wrapped, hand = pair(record=False)
+@pytest.mark.parametrize("in_graph", [False, None], ids=["graph-break", "region"])
+def test_scoped_child_of_a_compiled_parent_matches_the_eager_hand_written_stack(in_graph: bool | None) -> None:
+    # The parent compiles under the caller's autocast; the child is an in-graph region (the
+    # default) run with autocast off, or graph-breaks out and its own graph compiles (and
+    # runs) with autocast off. The reference is the eager stack: torch 2.13 compiles the
+    # hand-written stack's backward of the autocast-off region under the caller's autocast
+    # (its router weight gradient comes out in bf16 precision).
+    wrapped, hand = pair(record=False, in_graph=in_graph)
     expected = train(hand)
     graphs: list[torch.fx.GraphModule] = []
 
@@ -501,9 +503,13 @@ def test_scoped_child_of_a_compiled_parent_matches_the_eager_hand_written_stack(
     compiled = torch.compile(wrapped, backend=backend)
     got = train(wrapped, compiled)
     assert_same_steps(got, expected)
+    codes = [gm.code for gm in graphs]
+    if in_graph is None:  # one graph, compiled once, holding the router as one region
+        assert len(codes) == 1, codes
+        assert "region_call" in codes[0], codes
+        return
     # Compiled once (no recompiles on later steps): the parent around the router, and the
     # router as a graph of its own.
-    codes = [gm.code for gm in graphs]
     assert len(codes) == 3, codes
     # The router's Linear: inlined as its parameter (torch >= 2.5), a call_module before.
     assert sum("modules_lin_parameters_weight" in code or "L__fn___lin(" in code for code in codes) == 1, codes

@@ -656,7 +656,7 @@ def test_compiling_the_scoped_model_compiles_each_node_in_its_precision(
 ) -> None:
     model = parent(BLOCKS[kind])
     control = parent(BLOCKS[kind])
-    assert scope_modules(model, {"block": FULL}) == {"block": FULL}
+    assert scope_modules(model, {"block": FULL}, in_graph=False) == {"block": FULL}
     recording = Recording()
     compiled = torch.compile(model, backend=recording.backend())
     run(compiled, control, grad=grad)  # the same outputs as the unscoped model; no recompiles

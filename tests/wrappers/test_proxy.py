@@ -140,7 +140,8 @@ def test_copies_keep_the_proxy_and_its_precision(roundtrip: object) -> None:
     module = Probe()
     proxy = Fp32ScopedModule(module, FULL, name="head")
     clone = roundtrip(proxy)  # type: ignore[operator]
-    assert type(clone) is Fp32ScopedModule
+    assert type(clone) is type(proxy)
+    assert isinstance(clone, Fp32ScopedModule)
     assert precision_of(clone) == FULL
     assert clone._self_name == "head"
     assert torch.equal(clone.linear.weight, module.linear.weight)
@@ -193,7 +194,9 @@ def test_forward_assignment_lands_on_the_wrapped_module() -> None:
     # What torch.cuda.make_graphed_callables does: module.forward = graphed. The proxy's
     # call must then run the new forward, inside the scope.
     module = Probe()
-    proxy = Fp32ScopedModule(module, FULL)
+    # A graph-break proxy's ``forward``, read eagerly, is bound to the forward of that time
+    # (an in-graph region's calls the wrapped module's forward as found at each call).
+    proxy = Fp32ScopedModule(module, FULL, in_graph=False)
     original = proxy.forward
     calls: list[str] = []
 
