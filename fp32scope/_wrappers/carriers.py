@@ -58,6 +58,10 @@ def can_carry(value: object) -> bool:
 
     Dynamo inlines this (class names and attributes it reads as constants, and guards).
     """
+    # Tensors, constants and containers first: torch 2.4's Dynamo cannot compare a builtin
+    # type's ``__module__``.
+    if isinstance(value, (torch.Tensor, tuple, list, dict, type(None), bool, int, float, str)):
+        return False
     cls = type(value)
     if cls.__module__ != _MODULE or cls.__name__ not in _CACHES:
         return False
