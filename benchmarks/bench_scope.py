@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
             return None
 
     bare_module = Tiny()
-    proxy = Fp32ScopedModule(bare_module, full)
+    proxy = Fp32ScopedModule(bare_module, full)  # an in-graph region under torch.compile (the default)
+    break_proxy = Fp32ScopedModule(bare_module, full, in_graph=False)  # a graph break under torch.compile
     reused = fp32_precision_scope(full)
     reused_fast = fp32_precision_scope(default)
 
@@ -160,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     def call_proxy_no_grad() -> None:
         with no_grad:
             proxy()
+
+    def call_break_proxy_no_grad() -> None:
+        with no_grad:
+            break_proxy()
 
     def scope_module_no_grad() -> None:
         with no_grad, reused:
@@ -260,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         "Fp32ScopedModule call, both switch": call_proxy,
         "one scope object reused around the bare nn.Module call": scope_module,
         "Fp32ScopedModule call under no_grad, both switch": call_proxy_no_grad,
+        "Fp32ScopedModule(in_graph=False) call under no_grad, both switch": call_break_proxy_no_grad,
         "one scope object reused around the bare nn.Module call, under no_grad": scope_module_no_grad,
         # While a trace() is open every scoped call reads the flags and appends an event; a
         # fresh trace is opened around each timing loop (below).
@@ -338,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         "Fp32ScopedModule call under no_grad, both switch",
         "one scope object reused around the bare nn.Module call, under no_grad",
     )
+    region_over = paired(
+        "Fp32ScopedModule call under no_grad, both switch",
+        "Fp32ScopedModule(in_graph=False) call under no_grad, both switch",
+    )
     decorated_over = paired("with_fp32_precision-decorated no-op, both switch", "one scope object reused, both switch")
 
     print(f"torch {torch.__version__}, fp32scope {fp32scope.__version__}, new API: {_flags.HAS_NEW_API}")
@@ -361,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     print(f"  cudnn.flags() {cudnn:.1f}")
     print(f"  proxy on top of the scope around the same call, under no_grad {proxy_no_grad_over:.1f} [goal <= 150]")
     print(f"  proxy on top of the scope around the same call, grad mode {proxy_over:.1f}")
+    print(f"  a region proxy (the default) on top of an in_graph=False one, under no_grad {region_over:.1f}")
     traced_over = med[traced] - med["Fp32ScopedModule call under no_grad, both switch"]
     print(f"  a proxy call inside fp32scope.trace(), on top of the same call outside it {traced_over:.1f}")
     print(f"  decorator on top of the scope around the same call {decorated_over:.1f}")

@@ -7,9 +7,11 @@ Used by ``tests/compile/`` and by the compiled-policy tests in ``tests/wrappers/
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -23,6 +25,23 @@ from tests._support.common import DEFAULT
 
 #: The feature width of the input :func:`run` feeds.
 WIDTH = 8
+
+
+@contextmanager
+def python_frames(code: CodeType) -> Iterator[list[int]]:
+    """Count the Python frames of ``code`` started inside the block: what ran uncompiled."""
+    seen = [0]
+
+    def profile(frame: FrameType, event: str, _arg: object) -> None:
+        if event == "call" and frame.f_code is code:
+            seen[0] += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield seen
+    finally:
+        sys.setprofile(previous)
 
 
 @contextmanager

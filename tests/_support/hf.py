@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
+from tests._support.advise_models import tiny_mixtral
+from tests._support.probe import probe
 from tests._support.releases import TORCH_RELEASE
 
-__all__ = ["gpt2_unavailable", "tiny_gpt2", "tiny_llama"]
+__all__ = ["ATTENTIONS", "gpt2_unavailable", "probe_attentions", "tiny_gpt2", "tiny_llama"]
 
 
 def gpt2_unavailable() -> str | None:
@@ -59,3 +63,31 @@ def tiny_llama() -> Any:
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
+
+
+def _tiny_mixtral() -> Any:
+    from tests._support.advise_models import tiny_mixtral
+
+    return tiny_mixtral()
+
+
+#: Each tiny model with attentions: how to build it, and the pattern naming its attentions.
+ATTENTIONS: dict[str, tuple[Callable[[], Any], str]] = {
+    "llama": (tiny_llama, r"re:model\.layers\.\d+\.self_attn"),
+    "gpt2": (tiny_gpt2, r"re:transformer\.h\.\d+\.attn"),
+    "mixtral": (tiny_mixtral, r"re:model\.layers\.\d+\.self_attn"),
+}
+
+
+def probe_attentions(model: torch.nn.Module, pattern: str) -> int:
+    """Pass each matching attention's output through a probe tagged "attention"; how many there are."""
+
+    def hook(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
+        return (probe(output[0], "attention"), *output[1:])
+
+    found = 0
+    for name, module in model.named_modules():
+        if re.fullmatch(pattern.removeprefix("re:"), name):
+            module.register_forward_hook(hook)
+            found += 1
+    return found

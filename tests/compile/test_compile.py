@@ -23,13 +23,16 @@ from torch._dynamo.utils import counters
 from fp32scope import (
     Fp32Precision,
     Fp32ScopedModule,
+    current_fp32_precision,
     fp32_precision_scope,
     set_process_default,
     with_fp32_precision,
 )
 from fp32scope._flags import torch_flags as _flags
+from tests._support import probe as _probe
 from tests._support.common import DEFAULT, FULL
-from tests._support.compiled import Recording, forbid_recompiles
+from tests._support.compiled import Recording, forbid_recompiles, python_frames
+from tests._support.probe import phases, probe
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -255,6 +258,40 @@ def test_compiling_the_proxy_itself_also_runs_the_module_in_its_scope() -> None:
         torch.testing.assert_close(compiled(x), module(x))
     assert seen[0] == "highest"
     assert torch.get_float32_matmul_precision() == "high"
+
+
+class _Probed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return probe(torch.relu(self.linear(x)), "node")
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("in_graph", [None, True, False])
+@pytest.mark.parametrize("wrapper", ["module", "decorator"])
+def test_compiling_the_wrapper_itself_compiles_what_it_wraps(in_graph: bool | None, wrapper: str) -> None:
+    # Whatever in_graph says (it is about a compiled parent), torch.compile(wrapper) compiles
+    # the wrapped callable as a graph of its own, inside the scope: no Python forward frame
+    # once compiled, and the probe in the compiled graph reads the node's precision.
+    set_process_default(DEFAULT)
+    module = _Probed()
+    if wrapper == "module":
+        scoped: Callable[..., Any] = cast("Callable[..., Any]", Fp32ScopedModule(module, FULL, in_graph=in_graph))
+    else:
+        scoped = with_fp32_precision(FULL, in_graph=in_graph)(module.forward)
+    compiled = torch.compile(scoped, backend="aot_eager")
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        compiled(x)
+        _probe.SEEN.clear()
+        with python_frames(_Probed.forward.__code__) as frames:
+            torch.testing.assert_close(compiled(x), module(x))
+    assert frames == [1]  # the bare module's own call; none from the compiled one
+    assert phases("fwd")["node"] == [FULL, DEFAULT]
+    assert current_fp32_precision() == DEFAULT
 
 
 def test_regional_compilation_compiles_each_block_in_its_precision_with_no_graph_break() -> None:

@@ -12,7 +12,6 @@ forward and backward.
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -22,35 +21,18 @@ from torch._dynamo.utils import counters
 
 from fp32scope import current_fp32_precision, scope_modules, set_process_default
 from tests._support import probe as _probe
-from tests._support.advise_models import tiny_mixtral
 from tests._support.common import DEFAULT, FULL
-from tests._support.hf import tiny_gpt2, tiny_llama
-from tests._support.probe import phases, probe
+from tests._support.hf import ATTENTIONS, probe_attentions
+from tests._support.probe import phases
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
 
 KEPT = {"matmul": "highest", "cudnn_allow_tf32": False}
 
-#: Each model: how to build it, and the pattern naming its attentions.
-MODELS: dict[str, tuple[Callable[[], Any], str]] = {
-    "llama": (tiny_llama, r"re:model\.layers\.\d+\.self_attn"),
-    "gpt2": (tiny_gpt2, r"re:transformer\.h\.\d+\.attn"),
-    "mixtral": (tiny_mixtral, r"re:model\.layers\.\d+\.self_attn"),
-}
-
 
 @pytest.fixture(autouse=True)
 def _clear_probes() -> None:
     _probe.SEEN.clear()
-
-
-def _probe_attentions(model: torch.nn.Module, pattern: str) -> None:
-    def hook(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
-        return (probe(output[0], "attention"), *output[1:])
-
-    for name, module in model.named_modules():
-        if re.fullmatch(pattern.removeprefix("re:"), name):
-            module.register_forward_hook(hook)
 
 
 def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -73,12 +55,12 @@ def _skip_where_torch_fails_without_fp32scope(build: Callable[[], Any], error: E
     raise error
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", list(ATTENTIONS))
 def test_attentions_as_regions_train_as_their_eager_scoped_twin(name: str) -> None:
-    build, pattern = MODELS[name]
+    build, pattern = ATTENTIONS[name]
     set_process_default(DEFAULT)
     model = build()
-    _probe_attentions(model, pattern)
+    probe_attentions(model, pattern)
     twin = copy.deepcopy(model)
     scope_modules(model, {pattern: KEPT}, in_graph=True)
     scope_modules(twin, {pattern: KEPT})

@@ -12,7 +12,6 @@ where the attention runs. Before regions carried caches, a cache argument was a 
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -22,10 +21,9 @@ from torch._dynamo.utils import counters
 
 from fp32scope import current_fp32_precision, scope_modules, set_process_default
 from tests._support import probe as _probe
-from tests._support.advise_models import tiny_mixtral
 from tests._support.common import DEFAULT, FULL
-from tests._support.hf import tiny_gpt2, tiny_llama
-from tests._support.probe import phases, probe
+from tests._support.hf import ATTENTIONS, probe_attentions
+from tests._support.probe import phases
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -33,29 +31,10 @@ KEPT = {"matmul": "highest", "cudnn_allow_tf32": False}
 PROMPT = 5  # tokens in the prompt
 STEPS = 3  # decode steps after the prefill: the first decode and two with a cache of varying length
 
-#: Each model: how to build it, and the pattern naming its attentions.
-MODELS: dict[str, tuple[Callable[[], Any], str]] = {
-    "llama": (tiny_llama, r"re:model\.layers\.\d+\.self_attn"),
-    "gpt2": (tiny_gpt2, r"re:transformer\.h\.\d+\.attn"),
-    "mixtral": (tiny_mixtral, r"re:model\.layers\.\d+\.self_attn"),
-}
-
 
 @pytest.fixture(autouse=True)
 def _clear_probes() -> None:
     _probe.SEEN.clear()
-
-
-def _probe_attentions(model: torch.nn.Module, pattern: str) -> int:
-    def hook(_module: torch.nn.Module, _args: Any, output: Any) -> Any:
-        return (probe(output[0], "attention"), *output[1:])
-
-    found = 0
-    for name, module in model.named_modules():
-        if re.fullmatch(pattern.removeprefix("re:"), name):
-            module.register_forward_hook(hook)
-            found += 1
-    return found
 
 
 def _cache(kind: str, model: Any) -> Any:
@@ -83,10 +62,10 @@ def _assert_caches_equal(got: Any, want: Any, step: int) -> None:
     [("llama", "dynamic"), ("llama", "static"), ("gpt2", "dynamic"), ("gpt2", "static"), ("mixtral", "dynamic")],
 )
 def test_attentions_as_regions_carry_the_cache_through_prefill_and_decode(name: str, kind: str) -> None:
-    build, pattern = MODELS[name]
+    build, pattern = ATTENTIONS[name]
     set_process_default(DEFAULT)
     model = build()
-    n_attentions = _probe_attentions(model, pattern)
+    n_attentions = probe_attentions(model, pattern)
     twin = copy.deepcopy(model)
     scope_modules(model, {pattern: KEPT}, in_graph=True)
     scope_modules(twin, {pattern: KEPT})
