@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import types
 from collections.abc import Callable
 from types import MethodType
 from typing import TYPE_CHECKING, Any, cast
@@ -216,6 +217,10 @@ class Fp32ScopedModule(_ProxyBase):
     # the module (wrapt's CallableObjectProxy gets the same by unpacking *args, which costs
     # a list on every call).
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        # A compiling parent's Dynamo tracing a region's call (it inlines the unmarked copy of
+        # this function that _InGraphScopedModule has): one op of the parent's graph.
+        if self._self_region is not None and _is_compiling():
+            return traced_region(self._self_region, args, kwargs)
         if self._self_check_parameters:  # the first call of a node asking for full float32
             self._self_check_parameters = False
             warn_low_precision_parameters(self.__wrapped__, self._self_precision, self._self_name)
@@ -395,15 +400,6 @@ class _InGraphScopedModule(Fp32ScopedModule):
     def __contains__(self, key: object) -> bool:
         return key in self.__wrapped__
 
-    # Dynamo inlines this call (it is not marked): where it traces, the call becomes one
-    # region of the graph; anywhere else it is the scoped call.
-    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        if _is_compiling():
-            return traced_region(self._self_region, args, kwargs)
-        return _scoped_call(self, *args, **kwargs)
-
-    _call_impl = __call__
-
     @property
     def forward(self) -> Callable[..., Any]:
         """The wrapped module's ``forward``, run inside the scope; under Dynamo, a region of its own."""
@@ -428,6 +424,25 @@ class _InGraphScopedModule(Fp32ScopedModule):
 # autocast action exports; one with a precision is refused, saying what to do).
 _is_compiling = torch.compiler.is_dynamo_compiling
 _scoped_call = Fp32ScopedModule.__call__
+
+
+def _unmarked_copy(fn: Callable[..., Any], qualname: str) -> Callable[..., Any]:
+    # The same code as a new function object: Dynamo's mark (on the object) stays off it,
+    # and its frame skip (on the code) applies to both.
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = qualname
+    copy.__doc__ = fn.__doc__
+    return copy
+
+
+# A region's call: the scoped call itself, without an extra frame for eager calls, which a
+# compiling parent's Dynamo inlines (it graph-breaks at the marked original): see __call__.
+# ``torch.compile(proxy)`` starts its frame in it: skipped, as the original's code is, so the
+# scoped call compiles the wrapped module as a graph of its own, inside the scope.
+_InGraphScopedModule.__call__ = _InGraphScopedModule._call_impl = _unmarked_copy(  # type: ignore[method-assign]
+    _scoped_call, "_InGraphScopedModule.__call__"
+)
 
 
 def _call_scoped_forward(proxy: Fp32ScopedModule, /, *args: Any, **kwargs: Any) -> Any:
@@ -545,10 +560,6 @@ dynamo_exclude.exclude(
 _forward_getter = cast("Callable[[Fp32ScopedModule], Callable[..., Any]]", vars(Fp32ScopedModule)["forward"].fget)
 dynamo_exclude.exclude(_forward_getter, graph_break=False)
 dynamo_exclude.exclude(vars(_InGraphScopedModule)["forward"].fget, graph_break=False)
-# ``torch.compile(proxy)`` starts its frame in this call: run as plain Python, where the
-# scoped call compiles the wrapped module as a graph of its own, inside the scope; a
-# compiling parent still inlines it (one region of its graph).
-dynamo_exclude.exclude(_InGraphScopedModule.__call__, graph_break=False)
 
 
 def precision_of(obj: object) -> Fp32Precision | None:
