@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
             noop()
 
-    decorated = with_fp32_precision(full)(noop)
+    decorated = with_fp32_precision(full)(noop)  # an in-graph region under torch.compile (the default)
+    decorated_break = with_fp32_precision(full, in_graph=False)(noop)
 
     class Tiny(torch.nn.Module):
         def forward(self) -> None:
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         # what every call of a wrapper (proxy, decorator) whose precision is held runs.
         "one scope object reused, flags already match (fast path)": bare_scope_fast,
         "with_fp32_precision-decorated no-op, both switch": decorated,
+        "with_fp32_precision(in_graph=False)-decorated no-op, both switch": decorated_break,
         "bare nn.Module call": call_module,
         "Fp32ScopedModule call, both switch": call_proxy,
         "one scope object reused around the bare nn.Module call": scope_module,
@@ -348,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
         "Fp32ScopedModule call under no_grad, both switch",
         "Fp32ScopedModule(in_graph=False) call under no_grad, both switch",
     )
+    region_decorated_over = paired(
+        "with_fp32_precision-decorated no-op, both switch",
+        "with_fp32_precision(in_graph=False)-decorated no-op, both switch",
+    )
     decorated_over = paired("with_fp32_precision-decorated no-op, both switch", "one scope object reused, both switch")
 
     print(f"torch {torch.__version__}, fp32scope {fp32scope.__version__}, new API: {_flags.HAS_NEW_API}")
@@ -375,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0915  (one fla
     traced_over = med[traced] - med["Fp32ScopedModule call under no_grad, both switch"]
     print(f"  a proxy call inside fp32scope.trace(), on top of the same call outside it {traced_over:.1f}")
     print(f"  decorator on top of the scope around the same call {decorated_over:.1f}")
+    print(f"  a region decorator (the default) on top of an in_graph=False one {region_decorated_over:.1f}")
     checks = med["the trace/profiler checks of a scoped call, neither recording"] - bare
     print(f"  the trace/profiler checks of a scoped call, neither recording {checks:.1f}")
     callback = med["reading Dynamo's frame callback (one C call)"]

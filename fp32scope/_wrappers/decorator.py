@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 
@@ -143,11 +143,14 @@ def with_fp32_precision(  # noqa: PLR0913  (keyword-only options)
         trampoline = eager_trampoline() if eager else trampoline_for(target, label)
         policy = AutocastPolicy(mode, checked, label)
         warn_cublas_override(checked, label)
-        scoped = _scoped_function(target, wrapper_scope(checked, label), checked, backward, trampoline, policy)
+        regions: list[Region] = []
+        scoped = _scoped_function(target, wrapper_scope(checked, label), checked, backward, trampoline, policy, regions)
         if region:
             kept = Region(target, policy, label)
             kept.fallback = scoped  # a call it cannot carry: this wrapper's graph break
-            scoped = _in_graph_function(scoped, kept)
+            regions.append(kept)
+        else:
+            dynamo_exclude.mark_function(scoped)  # a compiled caller graph-breaks at the call
         return scoped  # type: ignore[return-value]
 
     return decorate
@@ -160,10 +163,16 @@ def _scoped_function(  # noqa: PLR0913, PLR0917  (private; built once per wrappe
     backward: bool,
     trampoline: Callable[..., Any] | None,
     policy: AutocastPolicy,
+    regions: list[Region],
 ) -> Callable[..., Any]:
     record_scope = recording_scope(scope)
 
     def scoped(*args: Any, **kwargs: Any) -> Any:
+        # A compiling caller's Dynamo tracing an in-graph wrapper's call (``regions`` holds
+        # its region; the function is then not marked, so Dynamo inlines it): one op of the
+        # caller's graph.
+        if regions and _is_compiling():
+            return traced_region(regions[0], args, kwargs)
         # Under torch.autocast: warn, or call again with autocast off (one C call outside).
         if policy.action is not None and any_autocast():  # nothing to do under autocast: no C call
             return run_under_autocast(policy, scoped, args, kwargs)
@@ -180,23 +189,8 @@ def _scoped_function(  # noqa: PLR0913, PLR0917  (private; built once per wrappe
         functools.update_wrapper(scoped, target)
     except AttributeError:  # pragma: no cover  (objects without __dict__ on a callable)
         scoped.__wrapped__ = target  # type: ignore[attr-defined]
-    dynamo_exclude.mark_function(scoped)
     scoped.__fp32scope_precision__ = precision  # type: ignore[attr-defined]
     return scoped
-
-
-def _in_graph_function(scoped: Callable[..., Any], region: Region) -> Callable[..., Any]:
-    # Not marked for Dynamo: a compiling caller inlines it and traces one region.
-    def in_graph(*args: Any, **kwargs: Any) -> Any:
-        if _is_compiling():
-            return traced_region(region, args, kwargs)
-        return scoped(*args, **kwargs)
-
-    # Not functools.update_wrapper: it would copy the scoped function's Dynamo mark too.
-    for attribute in ("__module__", "__name__", "__qualname__", "__doc__", "__wrapped__", "__fp32scope_precision__"):
-        if hasattr(scoped, attribute):
-            setattr(in_graph, attribute, getattr(scoped, attribute))
-    return in_graph
 
 
 # Dynamo tracing (torch.compile, strict export): a region. torch.export's non-strict tracer
@@ -207,10 +201,6 @@ _is_compiling = torch.compiler.is_dynamo_compiling
 
 # Every closure made by _scoped_function shares one code object: skip it once.
 dynamo_exclude.exclude(
-    _scoped_function(print, fp32_precision_scope(None), None, False, None, AutocastPolicy(True, None, "")),
+    _scoped_function(print, fp32_precision_scope(None), None, False, None, AutocastPolicy(True, None, ""), []),
     graph_break=False,
 )
-# ``torch.compile(wrapper)`` starts its frame in an in-graph wrapper: run as plain Python,
-# where the scoped call compiles the target as a graph of its own, inside the scope; a
-# compiling caller still inlines it (one region of its graph).
-dynamo_exclude.exclude(_in_graph_function(print, cast("Region", None)), graph_break=False)
