@@ -1,9 +1,10 @@
 """A layer of a model compiled with ``fullgraph=True`` in full float32: FLUX's ``time_text_embed``.
 
 diffusers recommends compiling its transformers whole, with ``fullgraph=True``. A scoped
-node is a graph break by default, which ``fullgraph=True`` refuses; ``in_graph=True``
-makes it one region of the model's single graph instead, run at run time inside its
-precision (forward and backward), while the rest of the graph runs at the process default.
+node is by default (``in_graph=True``, written out below) one region of the model's single
+graph, run at run time inside its precision (forward and backward), while the rest of the
+graph runs at the process default; ``in_graph=False`` would be a graph break, which
+``fullgraph=True`` refuses.
 
 The model is a tiny ``FluxTransformer2DModel`` built from its config (random weights, no
 download). A forward hook on ``time_text_embed`` prints the precision its kernels run
