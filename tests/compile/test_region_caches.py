@@ -87,3 +87,28 @@ def test_attentions_as_regions_carry_the_cache_through_prefill_and_decode(name: 
             ids = got.logits[:, -1:].argmax(-1)
             assert torch.equal(ids, want.logits[:, -1:].argmax(-1)), f"tokens, step {step}"
     assert sum(counters["graph_break"].values()) == 0
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_compiled_generate_with_attentions_as_regions_gives_the_eager_tokens(kind: str) -> None:
+    # What a user writes: the model's forward compiled whole (fullgraph=True) inside
+    # transformers' own generate loop, the attentions scoped with the default in_graph.
+    build, pattern = ATTENTIONS["llama"]
+    set_process_default(DEFAULT)
+    model = build()
+    n_attentions = probe_attentions(model, pattern)
+    twin = copy.deepcopy(model)
+    scope_modules(model, {pattern: KEPT})
+    scope_modules(twin, {pattern: KEPT})
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    new_tokens = STEPS + 2
+    with torch.no_grad():
+        want = twin.generate(ids, max_new_tokens=new_tokens, do_sample=False, cache=_cache(kind, twin))
+        _probe.SEEN.clear()
+        got = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, cache=_cache(kind, model))
+    assert torch.equal(got, want)
+    seen = phases("fwd")["attention"]
+    assert seen == [FULL] * (n_attentions * new_tokens)  # every attention of every step, in its precision
+    assert current_fp32_precision() == DEFAULT
+    assert sum(counters["graph_break"].values()) == 0
