@@ -149,6 +149,10 @@ def with_fp32_precision(  # noqa: PLR0913  (keyword-only options)
             kept = Region(target, policy, label)
             kept.fallback = scoped  # a call it cannot carry: this wrapper's graph break
             regions.append(kept)
+            # Never a target's own Dynamo mark, which update_wrapper copied (another wrapper's):
+            # a compiling caller must inline this function to trace the region.
+            for mark in ("_torchdynamo_disable", "_torchdynamo_disable_msg"):
+                vars(scoped).pop(mark, None)
         else:
             dynamo_exclude.mark_function(scoped)  # a compiled caller graph-breaks at the call
         return scoped  # type: ignore[return-value]

@@ -322,3 +322,18 @@ def test_regional_compilation_compiles_each_block_in_its_precision_with_no_graph
         assert set(compiled) == {"high", "highest"}, compiled
     assert recording.forward[:2] == ["high", "highest"]  # call order: block 0, then the scoped block 1
     assert torch.get_float32_matmul_precision() == DEFAULT.matmul
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_region_decorator_around_a_graph_break_wrapper_stays_a_region() -> None:
+    # The outer wrapper copies the inner one's attributes (functools.update_wrapper), not its
+    # Dynamo mark: the compiled caller traces the outer region, no graph break.
+    inner = with_fp32_precision(FULL, in_graph=False)(torch.nn.functional.relu)
+    outer = with_fp32_precision(FULL)(inner)
+
+    def caller(x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = outer(x + 1) * 2
+        return out
+
+    x = torch.randn(4)
+    torch.testing.assert_close(torch.compile(caller, backend="aot_eager", fullgraph=True)(x), caller(x))
