@@ -14,6 +14,7 @@ plain compile does (the figures are in the closing note of the issue).
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import pytest
@@ -99,6 +100,9 @@ def test_advised_compiled_llama_stays_within_the_tolerance_and_keeps_the_eager_t
     )
     assert advice.policy
     assert set(advice.policy.values()) == {"eager"}
+    n, k = len(advice.nodes), len(advice.policy)
+    print(f"{n} candidates, {k} kept, {advice.compiles} whole-model compiles")  # for the closing note
+    assert advice.compiles <= 2 * math.log2(n) + k + 4
     scope_modules(model, advice.policy)
     try:
         advised = _drift(model, batches[2:])

@@ -204,12 +204,12 @@ def advise(  # noqa: PLR0913, PLR0915  (one public entry point: check, measure, 
       runs as eager runs it, one opaque region of the compiled graph) or a full float32
       in-graph region (``{"matmul": "highest", "cudnn_allow_tf32": False, "in_graph":
       True}``);
-    * whole-model compiles: one with every node compiled, one with every candidate kept, one
-      per bisection step (at most ``ceil(log2(n + 1))`` for ``n`` candidates), one per
-      pruning check (one per node of the grown policy, and a pass more for each pass that
-      drops a node) and one for the held-out batches; ``advice.compiles``,
-      ``advice.node_compiles`` and ``advice.compile_seconds`` (seconds in runs of compiled
-      code, compiles included) report them.
+    * whole-model compiles: one with every node compiled, one per bisection step (at most
+      ``ceil(log2(n + 1))`` for ``n`` candidates; every candidate kept is measured only when
+      the bisection reaches it), one per pruning check (one per node of the grown policy,
+      and a pass more for each pass that drops a node) and one for the held-out batches;
+      ``advice.compiles``, ``advice.node_compiles`` and ``advice.compile_seconds`` (seconds
+      in runs of compiled code, compiles included) report them.
 
     Dynamo is reset before each compile and once more when advise returns: code the caller
     compiled before is compiled again at its next call.
@@ -367,17 +367,8 @@ def _grow(
     modules: dict[int, torch.nn.Module],
 ) -> list[int]:
     """The shortest prefix of ``ranked`` that meets the target, found by bisection (or the body added)."""
-    everything = _prefix(ranked, len(ranked), inside)
-    if not search.meets(everything, f"every candidate kept, {len(everything)} node(s)"):
-        kept = everything  # last resort: the model's body, one direct submodule at a time
-        for slot in _walk(root):
-            key = id(_bare(slot.stored))
-            if "." in slot.name or key in kept or key not in modules:
-                continue
-            kept = [k for k in kept if k not in inside[key]] + [key]
-            if search.meets(kept, f"body, {len(kept)} node(s)"):
-                break
-        return kept
+    # The full prefix is assumed to meet the target and measured only when the bisection
+    # reaches it: a policy that meets it with fewer nodes spares that compile.
     low, high = 0, len(ranked)  # the prefix of `low` nodes misses (none: every node fast), of `high` meets
     while high - low > 1:
         middle = (low + high) // 2
@@ -385,7 +376,20 @@ def _grow(
             high = middle
         else:
             low = middle
-    return _prefix(ranked, high, inside)
+    if high < len(ranked):
+        return _prefix(ranked, high, inside)
+    everything = _prefix(ranked, len(ranked), inside)
+    if search.meets(everything, f"every candidate kept, {len(everything)} node(s)"):
+        return everything
+    kept = everything  # last resort: the model's body, one direct submodule at a time
+    for slot in _walk(root):
+        key = id(_bare(slot.stored))
+        if "." in slot.name or key in kept or key not in modules:
+            continue
+        kept = [k for k in kept if k not in inside[key]] + [key]
+        if search.meets(kept, f"body, {len(kept)} node(s)"):
+            break
+    return kept
 
 
 def _prune(search: _Search, kept: list[int], what: str) -> list[int]:
