@@ -230,6 +230,19 @@ def mutation(session: nox.Session, torch: str) -> None:
     session.run("python", "tests/_support/mutation_report.py", "--rerun-survivors", env=ONE_THREAD)
 
 
+@nox.session(name="mutation-regions", tags=["mutation"])
+def mutation_regions(session: nox.Session) -> None:
+    """Hand-made mutants of the in-graph region code, which mutmut cannot run (its tests compile).
+
+    ``tests/_support/region_mutants.py`` applies each mutant to a copy of the repository,
+    runs the region tests against it and prints each one's fate and the score; it fails
+    under 90%, or when a mutant's text is no longer in its file. About 15 minutes on two
+    cores. Arguments after ``--`` go to the script (``--only WORD``).
+    """
+    install(session, DEFAULT_TORCH, "test")
+    session.run("python", "tests/_support/region_mutants.py", *session.posargs)
+
+
 # One OpenMP thread: mutmut forks each mutant's run, and a fork of a process whose OpenMP
 # pool has run hangs at its first parallel kernel (tests/_support/mutation_plugin.py).
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}

@@ -665,6 +665,11 @@ def _copy_carried(op: _Op, *, fake: bool, copy: bool) -> tuple[int, ...]:
 
     All of them in a fake run (which finds the ones it updates), the layout's plan's in a
     real one. (Training's aliases are copies already.)
+
+    Copies, not an op that declares the tensors it updates (``Tensor(a!)``, which Inductor
+    hands over uncopied): with one, Inductor on torch 2.13 recomputed a Llama attention
+    mask from a static cache's length after the op had updated it, and the logits of the
+    next layers were wrong (AOTAutograd alone gave the right ones).
     """
     where = op.region.carried_args.get(op.layout)
     inplace = () if where is None else where.tensors if fake else op.region.carried[op.layout].inplace

@@ -20,6 +20,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from fp32scope import current_fp32_precision, scope_modules, set_process_default
+from fp32scope._wrappers import carriers
 from tests._support import probe as _probe
 from tests._support.common import DEFAULT, FULL
 from tests._support.hf import ATTENTIONS, probe_attentions
@@ -114,3 +115,21 @@ def test_compiled_generate_with_attentions_as_regions_gives_the_eager_tokens(kin
     assert seen == [FULL] * (n_attentions * new_tokens)  # every attention of every step, in its precision
     assert current_fp32_precision() == DEFAULT
     assert sum(counters["graph_break"].values()) == 0
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_cache_rebuilt_inside_the_op_has_the_callers_attributes_and_no_more(kind: str) -> None:
+    # A layer not initialized yet lacks the attributes its first update sets (a static
+    # layer's batch_size: Cache.batch_size reads -1 where no layer has one). Rebuilt for the
+    # node, it must lack them too, not hold them as None.
+    from transformers import DynamicCache, StaticCache
+
+    model = ATTENTIONS["llama"][0]()
+    cache = DynamicCache(config=model.config) if kind == "dynamic" else StaticCache(config=model.config, max_cache_len=8)
+    rebuilt = carriers.rebuild(carriers.flatten(cache))
+    assert [type(layer) for layer in rebuilt.layers] == [type(layer) for layer in cache.layers]
+    for mine, theirs in zip(rebuilt.layers, cache.layers, strict=True):
+        assert sorted(vars(mine)) == sorted(vars(theirs))
+        assert not mine.is_initialized
+    if hasattr(type(cache), "batch_size"):  # (transformers >= 5.2x)
+        assert rebuilt.batch_size == cache.batch_size

@@ -85,3 +85,31 @@ def test_a_region_trains_on_the_gpu_with_its_backward_in_its_precision() -> None
         tf32_error = float(((torch.ones_like(a) @ b.T).double() - reference).abs().max())
     assert tf32_error > 10 * error
     assert torch.get_float32_matmul_precision() == "high"
+
+
+@needs_tf32
+def test_a_region_trains_under_reduce_overhead_in_its_precision_at_every_replay() -> None:
+    # CUDA graphs in training: the steps after warmup replay what was recorded (or, where
+    # torch declines to record a graph, run it as compiled); each step's gradient must come
+    # from the region's full float32 matmul, and a step's result must not leak into the next.
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b = torch.randn(N, N, device="cuda", generator=gen)
+    set_process_default(Fp32Precision("high", True))
+    compiled = torch.compile(Model(b, in_graph=True), mode="reduce-overhead", fullgraph=True)
+    reference_b = b.double().T
+    for step in range(5):  # warm up, record, replay
+        torch.compiler.cudagraph_mark_step_begin()
+        a = torch.randn(N, N, device="cuda", generator=gen, requires_grad=True)
+        grad_out = torch.randn(N, N, device="cuda", generator=gen)
+        inside, _ = compiled(a)
+        torch.autograd.backward(inside, grad_out)
+        assert a.grad is not None
+        reference = grad_out.double() @ reference_b
+        error = float((a.grad.double() - reference).abs().max())
+        with torch.no_grad():
+            tf32_error = float(((grad_out @ b.T).double() - reference).abs().max())
+        assert tf32_error > 10 * error, f"step {step}: the region's backward ran at the TF32 default"
+        forward_error = float((inside.detach().double() - a.detach().double() @ b.double()).abs().max())
+        assert forward_error * 10 < tf32_error, f"step {step}: the region's forward ran at the TF32 default"
+    assert torch.get_float32_matmul_precision() == "high"
+    assert sum(counters["graph_break"].values()) == 0

@@ -1,0 +1,292 @@
+"""Hand-made mutants of the in-graph region code, and whether the region tests kill each.
+
+mutmut cannot mutate ``_wrappers/region.py`` and ``_wrappers/carriers.py`` usefully: their
+tests compile, and Dynamo cannot trace mutmut's trampolines. So each mutant here is one
+edit a plausible wrong implementation would make (a copy left out, a scope not entered, a
+write-back skipped), named with what it breaks. ``nox -s mutation-regions`` (or ``python
+tests/_support/region_mutants.py`` from the repository root) copies the repository to a
+temporary folder, applies one mutant at a time there, runs ``TESTS`` against it (stopping
+at the first failure), prints each mutant's fate and the score, and exits non-zero when the
+score is under ``TARGET`` or a mutant's text is no longer in its file (the list must follow
+the code). The working tree is never changed.
+
+``EQUIVALENT`` names mutants that change no behaviour the tests can see, each with why;
+they are run and reported, and left out of the score.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET = 0.90
+TESTS = (
+    "tests/compile/test_regions.py",
+    "tests/compile/test_region_outputs.py",
+    "tests/compile/test_region_attention.py",
+    "tests/compile/test_region_caches.py",
+    "tests/compile/test_eager_nodes.py",
+)
+REGION = "fp32scope/_wrappers/region.py"
+CARRIERS = "fp32scope/_wrappers/carriers.py"
+
+
+class Mutant(NamedTuple):
+    """One edit: in ``path``, ``old`` (found exactly once) becomes ``new``."""
+
+    name: str
+    path: str
+    old: str
+    new: str
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "outputs aliasing an input leave uncopied",
+        REGION,
+        "        if storage._cdata in seen or o.storage_offset() != 0 or",
+        "        if False and storage._cdata in seen or o.storage_offset() != 0 or",
+    ),
+    Mutant(
+        "outputs at an offset leave uncopied",
+        REGION,
+        "        if storage._cdata in seen or o.storage_offset() != 0 or",
+        "        if storage._cdata in seen or False or",
+    ),
+    Mutant(
+        "training outputs leave uncopied",
+        REGION,
+        "    return [o.detach().clone() for o in outputs], updates, saved",
+        "    return [o.detach() for o in outputs], updates, saved",
+    ),
+    Mutant(
+        "tensor arguments kept by the saved graph are not copied",
+        REGION,
+        "    op.tensors = [t.detach().clone().requires_grad_(",
+        "    op.tensors = [t.detach().requires_grad_(",
+    ),
+    Mutant(
+        "updated buffers run on the caller's buffers",
+        REGION,
+        "            op.buffers[i] = op.buffers[i].clone()",
+        "            op.buffers[i] = op.buffers[i]",
+    ),
+    Mutant(
+        "updated buffers are not written back",
+        REGION,
+        "        buffers[i].copy_(update)",
+        "        buffers[i].detach()",
+    ),
+    Mutant(
+        "a static cache's in-place updates are not written back",
+        REGION,
+        "        tensors[i].copy_(update)",
+        "        tensors[i].detach()",
+    ),
+    Mutant(
+        "the no-grad forward runs outside the node's scope",
+        REGION,
+        "        with region.scope:  # no graph to record",
+        "        with contextlib.nullcontext():  # no graph to record",
+    ),
+    Mutant(
+        "the training forward runs outside the node's scope",
+        REGION,
+        "            with _AboveAutograd(), torch.enable_grad(), region.scope:",
+        "            with _AboveAutograd(), torch.enable_grad():",
+    ),
+    Mutant(
+        "the backward runs outside the node's scope",
+        REGION,
+        "        with region.scope:\n            found = torch.autograd.grad(",
+        "        with contextlib.nullcontext():\n            found = torch.autograd.grad(",
+    ),
+    Mutant(
+        "the kept graph is freed by the first backward",
+        REGION,
+        "                allow_unused=True,\n                retain_graph=True,",
+        "                allow_unused=True,\n                retain_graph=False,",
+    ),
+    Mutant(
+        "a kept graph outlives its token",
+        REGION,
+        "    weakref.finalize(token, _forget, number)",
+        "    weakref.finalize(token, int, number)",
+    ),
+    Mutant(
+        "two calls of one region share a number (merged by CSE)",
+        REGION,
+        "    numbers = [next(_sites), layout,",
+        "    numbers = [0, layout,",
+    ),
+    Mutant(
+        "inputs the outputs never reach get zeros, not None",
+        REGION,
+        "            if need and reached is not None and not next(reached):",
+        "            if need and reached is not None and not next(reached) and False:",
+    ),
+    Mutant(
+        "autograd stays off in the training forward",
+        REGION,
+        "        if _BELOW_AUTOGRAD and exclude.has(_BELOW_AUTOGRAD[0]):",
+        "        if False:",
+    ),
+    Mutant(
+        "the caller's autocast is not carried",
+        REGION,
+        "    if not torch._C._is_any_autocast_enabled():\n        return out",
+        "    if True:\n        return out",
+    ),
+    Mutant(
+        "an autocast=False node runs under the caller's autocast",
+        REGION,
+        "        if region.policy.mode is False:",
+        "        if False:",
+    ),
+    Mutant(
+        "a tensor reached by closure is not refused",
+        REGION,
+        "            if id(variable) not in mine:",
+        "            if False:",
+    ),
+    Mutant(
+        "export of a model with a region is not refused",
+        REGION,
+        "    if is_exporting():\n        _refuse_export(region)",
+        "    if False:\n        _refuse_export(region)",
+    ),
+    Mutant(
+        "writes declared by ops are not recorded (batch norm statistics)",
+        REGION,
+        "        if argument.alias_info is None or not argument.alias_info.is_write:\n            return",
+        "        if True:\n            return",
+    ),
+    Mutant(
+        "constants in a node's output are lost",
+        REGION,
+        "        elif isinstance(value, _CONSTANTS):\n            leaves.append(value)",
+        "        elif isinstance(value, _CONSTANTS):\n            leaves.append(None)",
+    ),
+    Mutant(
+        "an argument a region cannot carry is not a graph break",
+        REGION,
+        "    if not all(i in carried or _carriable(v) for i, v in enumerate(values)):",
+        "    if False:",
+    ),
+    Mutant(
+        "the object-argument warning fires on every call",
+        REGION,
+        "        region.warned_break = True\n",
+        "        region.warned_break = False\n",
+    ),
+    Mutant(
+        "a cache layer's rebound tensors are not seen",
+        CARRIERS,
+        "                if new is not old:",
+        "                if False:",
+    ),
+    Mutant(
+        "a cache layer's changed constants are not seen",
+        CARRIERS,
+        "            elif type(new) is not type(old) or new != old:",
+        "            elif False:",
+    ),
+    Mutant(
+        "a DynamicCache() does not grow the caller's cache",
+        CARRIERS,
+        "        while len(cache.layers) <= index:",
+        "        while False:",
+    ),
+    Mutant(
+        "a layer's unset attributes are set to None",
+        CARRIERS,
+        "        if value is not None or field in _ALWAYS:",
+        "        if True:",
+    ),
+)
+
+#: Mutants that change nothing the tests can see, by name, with why.
+EQUIVALENT: dict[str, str] = {
+    "a tensor reached by closure is not refused": (
+        "the run on fake tensors refuses such a tensor first, with the same message: Dynamo's fake "
+        "mode takes no real tensor, so no compile reaches this second check"
+    ),
+}
+
+
+def _copy_tree(target: Path) -> None:
+    ignore = shutil.ignore_patterns(".git", ".nox", "mutants", ".mutation", "_build", "__pycache__", ".hypothesis")
+    shutil.copytree(ROOT, target, ignore=ignore, dirs_exist_ok=True)
+
+
+def _run_tests(where: Path, workers: str, limit: float | None = None) -> tuple[bool, float]:
+    """Whether the tests pass in ``where``, and in how many seconds (past ``limit``: they fail, as mutmut counts)."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    started = time.perf_counter()
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:logging"]
+    try:
+        done = subprocess.run(  # noqa: S603  # this interpreter, fixed arguments
+            [*command, "-n", workers, *TESTS],
+            cwd=where,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=limit,
+        )
+    except subprocess.TimeoutExpired:
+        return False, time.perf_counter() - started
+    return done.returncode == 0, time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every mutant (or those named with ``--only``); print fates and the score."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", default=[], help="run the mutants whose name contains this")
+    parser.add_argument("-n", "--workers", default="2", help="pytest-xdist workers (default 2)")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or any(word in m.name for word in args.only)]
+    stale = [m for m in chosen if (ROOT / m.path).read_text().count(m.old) != 1]
+    for mutant in stale:
+        print(f"STALE: {mutant.name!r}: its text is not exactly once in {mutant.path}")
+    if stale:
+        return 2
+    with tempfile.TemporaryDirectory(prefix="fp32scope-mutants-") as folder:
+        where = Path(folder)
+        _copy_tree(where)
+        passed, seconds = _run_tests(where, args.workers)
+        if not passed:
+            print(f"the tests fail unmutated ({seconds:.0f} s): fix them first")
+            return 2
+        print(f"unmutated: pass ({seconds:.0f} s)")
+        limit = 10 * seconds  # a mutant that makes a test hang is caught by this
+        killed: list[str] = []
+        survived: list[str] = []
+        for mutant in chosen:
+            path = where / mutant.path
+            original = path.read_text()
+            path.write_text(original.replace(mutant.old, mutant.new))
+            try:
+                passed, seconds = _run_tests(where, args.workers, limit)
+            finally:
+                path.write_text(original)
+            (survived if passed else killed).append(mutant.name)
+            fate = "SURVIVED" if passed else "killed"
+            note = f"  (equivalent: {EQUIVALENT[mutant.name]})" if mutant.name in EQUIVALENT else ""
+            print(f"{fate:8}  {seconds:5.0f} s  {mutant.name}{note}", flush=True)
+    counted = [n for n in killed + survived if n not in EQUIVALENT]
+    score = sum(n in killed for n in counted) / len(counted) if counted else 1.0
+    print(f"score: {sum(n in killed for n in counted)} of {len(counted)} killed ({score:.0%}), target {TARGET:.0%}")
+    return 0 if score >= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
