@@ -125,7 +125,8 @@ def test_a_cache_rebuilt_inside_the_op_has_the_callers_attributes_and_no_more(ki
     from transformers import DynamicCache, StaticCache
 
     model = ATTENTIONS["llama"][0]()
-    cache = DynamicCache(config=model.config) if kind == "dynamic" else StaticCache(config=model.config, max_cache_len=8)
+    config = model.config
+    cache = DynamicCache(config=config) if kind == "dynamic" else StaticCache(config=config, max_cache_len=8)
     rebuilt = carriers.rebuild(carriers.flatten(cache))
     assert [type(layer) for layer in rebuilt.layers] == [type(layer) for layer in cache.layers]
     for mine, theirs in zip(rebuilt.layers, cache.layers, strict=True):

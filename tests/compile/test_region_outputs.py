@@ -89,7 +89,7 @@ class Strided(torch.nn.Module):
 
 
 class Overlapping(torch.nn.Module):
-    """An output at an offset of a fresh tensor whose rows overlap: as many bytes as its storage, laid out unlike a copy."""
+    """An output at an offset of a fresh tensor, rows overlapping: its storage's size, laid out unlike a copy."""
 
     def __init__(self) -> None:
         super().__init__()

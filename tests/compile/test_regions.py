@@ -667,8 +667,9 @@ def test_retain_graph_a_second_backward_through_a_region_as_without_fp32scope(ba
     torch.manual_seed(0)
     model = Stack(FULL, in_graph=True)
     bare = copy.deepcopy(model)
-    bare.node = cast("Fp32ScopedModule", bare.node).__wrapped__
-    bare.node.tag = "bare node"
+    inner: Block = bare.node.__wrapped__
+    inner.tag = "bare node"
+    bare.node = inner  # type: ignore[assignment]  # the bare node where the proxy was
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     reference = torch.compile(bare, backend=backend, fullgraph=True)
     x = torch.randn(4, WIDTH)

@@ -98,7 +98,7 @@ def test_a_region_trains_under_reduce_overhead_in_its_precision_at_every_replay(
     compiled = torch.compile(Model(b, in_graph=True), mode="reduce-overhead", fullgraph=True)
     reference_b = b.double().T
     for step in range(5):  # warm up, record, replay
-        torch.compiler.cudagraph_mark_step_begin()
+        torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]  # torch's untyped API
         a = torch.randn(N, N, device="cuda", generator=gen, requires_grad=True)
         grad_out = torch.randn(N, N, device="cuda", generator=gen)
         inside, _ = compiled(a)
