@@ -24,8 +24,7 @@ What crosses the op's boundary:
   constants of the layout, both set on the caller's cache after the op (Dynamo replays
   the attribute writes); tensors it updates in place (a static layer's keys, values and
   length) run on copies, which leave the op and are written back (``copy_``), as buffers
-  are. Each layout is numbered by its content: the number is all of it a graph holds, and
-  Inductor's caches reuse a graph compiled by another process;
+  are. Each layout is numbered by its content: the number is all of it a graph holds;
 * the node's outputs: tensors, in tuples, lists or dicts, with constants; an output that
   shares memory with an input or another output (a view of an argument, an argument handed
   back) leaves as a copy, as does, in training, every output (the kept graph may hold it);
@@ -48,6 +47,11 @@ when the compiled graph's backward frees what it saved (no ``retain_graph``; wit
 second backward runs through the kept graph again), or with a forward whose backward never
 runs.
 
+A region's number, which the graph holds, carries random bits of its process: Inductor's
+and AOTAutograd's caches on disk serve a graph to any later process that makes the same
+graph, and the same number there may stand for another node. So a graph holding a region
+is compiled afresh by each process (never served from another's cache).
+
 Tensors a node reaches other than as arguments, parameters or buffers (a closure, a
 global) cannot cross the boundary: such a node is refused with :class:`Fp32ScopeError`
 while the graph is traced, as is ``torch.export`` of a model with a region (a loading
@@ -59,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import secrets
 import threading
 import types
 import warnings
@@ -89,6 +94,11 @@ _UNKNOWN: Final = -1  # "which buffers it updates is not known yet": the fake ru
 _TAG: Final = "fp32scope region "
 
 _numbers = itertools.count(1)
+# A region's number is this process's: Inductor's and AOTAutograd's caches, on disk, serve a
+# graph compiled by another process to a graph that reads the same, and a number that meant
+# another node there would run this process's node of that number (wrong results, or
+# another node's shapes). So every region number holds this process's own random high bits.
+_PROCESS: Final = secrets.randbits(24) << 32
 _sites = itertools.count(1)
 _regions: weakref.WeakValueDictionary[int, Region] = weakref.WeakValueDictionary()
 # Kept forward graphs awaiting their backward, by token number.
@@ -215,7 +225,7 @@ class Region:
     def __init__(
         self, module: Callable[..., Any], policy: AutocastPolicy, precision_scope_name: str, *, forward: bool = False
     ) -> None:
-        self.key = next(_numbers)
+        self.key = _PROCESS | next(_numbers)
         # What a compiled graph holds: a string, since Dynamo may turn an int that differs
         # between two compiles of one frame (two models of one class) into a symbol.
         self.tag = f"{_TAG}{self.key}"
@@ -243,6 +253,8 @@ class Region:
         self.carried_args: dict[int, _CarriedArgs] = {}
         self.carried: dict[int, _CarriedPlan] = {}
         self.last_changes: tuple[tuple[carriers.Change, ...], ...] = ()
+        # The constants of the last traced call's output that leave through traced_region.
+        self.last_constants: tuple[tuple[int, Any], ...] = ()
         _regions[self.key] = self
         _allow_in_graph()
 
@@ -271,9 +283,9 @@ class Region:
         found = self._layout_ids.get(key)
         if found is None:
             # Numbered by its content, not by its order: the number is all a compiled graph
-            # holds of it, and Inductor's caches serve a graph compiled by another process
-            # to any graph that reads the same (a cache's length, which sets the shape of
-            # the tensors the op returns, is one of these constants).
+            # holds of it, and a graph that reads the same is served from Inductor's caches
+            # (a cache's length, which sets the shape of the tensors the op returns, is one
+            # of these constants).
             found = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=7).digest(), "big")
             while found in self.layouts:  # (a collision, in 2**56)
                 found = (found + 1) % 2**56
@@ -953,11 +965,25 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
     for i, update in zip(found, out[n_out : n_out + len(found)], strict=True):
         buffers[i].copy_(update)
     spec, out_leaves = region.out_specs[layout]
+    held: list[tuple[int, Any]] = []
     if spec is None:
         result = out[0]
     else:
+        # Constants other than None, bools and ints leave through traced_region instead (read
+        # by _out_constants): Dynamo on torch 2.4 refuses a float, a str or a dtype returned
+        # by a call it keeps whole ("torch.* op returned non-Tensor float").
         it = iter(out[:n_out])
-        result = _pytree.tree_unflatten([next(it) if leaf is _TENSOR else leaf for leaf in out_leaves], spec)
+        returned: list[Any] = []
+        for i, leaf in enumerate(out_leaves):
+            if leaf is _TENSOR:
+                returned.append(next(it))
+            elif leaf is None or type(leaf) in (bool, int):
+                returned.append(leaf)
+            else:
+                held.append((i, leaf))
+                returned.append(None)
+        result = _pytree.tree_unflatten(returned, spec)
+    region.last_constants = tuple(held)
     if plan is None:
         return result
     # The carried tensors the node updated in place, written back as the buffers are; the
@@ -1026,9 +1052,16 @@ def _carried_changes(tag: str) -> tuple[tuple[carriers.Change, ...], ...]:
     return _regions[int(tag.removeprefix(_TAG))].last_changes
 
 
+def _out_constants(tag: str) -> tuple[tuple[int, Any], ...]:
+    # The constants of the output of the call Dynamo just traced that region_call left out
+    # (their places among the output's leaves, and their values): constants of the graph.
+    return _regions[int(tag.removeprefix(_TAG))].last_constants
+
+
 # torch._dynamo.assume_constant_result's mark, set without importing Dynamo (a second):
 # Dynamo calls the function while it traces and keeps its result as a constant.
 _carried_changes._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_out_constants._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def traced_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -1052,11 +1085,18 @@ def traced_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any])
     else:
         params = buffers = ()
     result = region_call(region.tag, len(args), tuple(kwargs), *values, *params, *buffers)
-    if not carried:
-        return result
-    out, rebound = result
-    for obj, changes in zip(objects, _carried_changes(region.tag), strict=True):
-        carriers.write_back(obj, changes, rebound)
+    if carried:
+        out, rebound = result
+        for obj, changes in zip(objects, _carried_changes(region.tag), strict=True):
+            carriers.write_back(obj, changes, rebound)
+    else:
+        out = result
+    held = _out_constants(region.tag)
+    if held:  # the output's constants region_call could not return, put back in their places
+        leaves, spec = _pytree.tree_flatten(out)
+        for i, value in held:
+            leaves[i] = value
+        out = _pytree.tree_unflatten(leaves, spec)
     return out
 
 
@@ -1078,7 +1118,7 @@ dynamo_exclude.exclude(
         for fn in list(globals().values())
         if isinstance(fn, types.FunctionType)
         and fn.__module__ == __name__
-        and fn.__name__ not in {"region_call", "traced_region", "_carriable", "_carried_changes"}
+        and fn.__name__ not in {"region_call", "traced_region", "_carriable", "_carried_changes", "_out_constants"}
     ),
     *(
         fn

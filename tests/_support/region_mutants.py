@@ -176,6 +176,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "        elif isinstance(value, _CONSTANTS):\n            leaves.append(None)",
     ),
     Mutant(
+        "output constants held back from region_call are not put back",
+        REGION,
+        "            leaves[i] = value",
+        "            leaves[i] = None",
+    ),
+    Mutant(
+        "region numbers are alike in every process (disk caches serve another's graph)",
+        REGION,
+        "_PROCESS: Final = secrets.randbits(24) << 32",
+        "_PROCESS: Final = 0",
+    ),
+    Mutant(
         "an argument a region cannot carry is not a graph break",
         REGION,
         "    if not all(i in carried or _carriable(v) for i, v in enumerate(values)):",

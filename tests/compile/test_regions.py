@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -29,7 +33,7 @@ from fp32scope import (
 )
 from fp32scope._wrappers import region as region_module
 from tests._support import probe as _probe
-from tests._support.common import DEFAULT, FULL, BoomError
+from tests._support.common import DEFAULT, FULL, ROOT, BoomError
 from tests._support.compiled import forbid_recompiles
 from tests._support.hf import tiny_gpt2
 from tests._support.probe import phases, probe
@@ -692,3 +696,30 @@ def test_retain_graph_a_second_backward_through_a_region_as_without_fp32scope(ba
     with pytest.raises(RuntimeError, match="second time"):
         torch.autograd.backward(expected)
     assert current_fp32_precision() == DEFAULT
+
+
+def test_a_process_is_never_served_another_process_region_graph_from_inductors_disk_cache(tmp_path: Path) -> None:
+    # Two processes make the same parent graph, each around its own first region, behind
+    # which stand nodes of other output shapes. With one disk cache, the second process
+    # must compile its own graph: one served from the first would call this process's node
+    # under the first one's shapes (a size assertion, or silently wrong values).
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path),
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+    }
+    for kind in ("doubles", "halves"):
+        proc = subprocess.run(  # noqa: S603  # this interpreter, fixed arguments
+            [sys.executable, "-m", "tests._support.region_process", kind],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        assert f"{kind}: compiled equals eager" in proc.stdout
