@@ -46,18 +46,22 @@ class PythonIdentity(torch.autograd.Function):
         return grad
 
 
-def run_harness(module: str, out: Path, what: str) -> dict[str, Any]:
-    """Run ``python -m module out`` from the repository root (one thread, warnings off); the JSON it wrote."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(  # noqa: S603
-        [sys.executable, "-m", module, str(out)],
+def run_module(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m module args`` from the repository root (one thread, warnings off, ``env`` added)."""
+    return subprocess.run(  # noqa: S603  # this interpreter, a module of this repository
+        [sys.executable, "-m", module, *args],
         cwd=ROOT,
-        env=env,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})},
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
+
+
+def run_harness(module: str, out: Path, what: str) -> dict[str, Any]:
+    """Run ``python -m module out`` from the repository root (one thread, warnings off); the JSON it wrote."""
+    proc = run_module(module, str(out))
     assert out.exists(), f"the {what} run wrote nothing (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     found: dict[str, Any] = json.loads(out.read_text())
     return found

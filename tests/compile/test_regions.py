@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -33,7 +30,7 @@ from fp32scope import (
 )
 from fp32scope._wrappers import region as region_module
 from tests._support import probe as _probe
-from tests._support.common import DEFAULT, FULL, ROOT, BoomError
+from tests._support.common import DEFAULT, FULL, BoomError, run_module
 from tests._support.compiled import forbid_recompiles
 from tests._support.hf import tiny_gpt2
 from tests._support.probe import phases, probe
@@ -704,22 +701,11 @@ def test_a_process_is_never_served_another_process_region_graph_from_inductors_d
     # must compile its own graph: one served from the first would call this process's node
     # under the first one's shapes (a size assertion, or silently wrong values).
     env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
         "TORCHINDUCTOR_CACHE_DIR": str(tmp_path),
         "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
         "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
     }
     for kind in ("doubles", "halves"):
-        proc = subprocess.run(  # noqa: S603  # this interpreter, fixed arguments
-            [sys.executable, "-m", "tests._support.region_process", kind],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
+        proc = run_module("tests._support.region_process", kind, env=env)
         assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
         assert f"{kind}: compiled equals eager" in proc.stdout

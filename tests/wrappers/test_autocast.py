@@ -38,7 +38,7 @@ from fp32scope._wrappers import autocast as _autocast
 from fp32scope._wrappers import decorator as _decorator
 from fp32scope._wrappers import proxy as _proxy
 from tests._support.autocast_model import BF16, STEPS, HandRouter, Router, pair, train
-from tests._support.common import FULL, ROOT
+from tests._support.common import FULL, ROOT, run_module
 
 
 def autocast_state() -> tuple[bool, torch.dtype, bool]:
@@ -555,16 +555,7 @@ def test_export_under_autocast_holds_an_autocast_off_region() -> None:
 
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo over a file store: Linux and macOS")
 def test_ddp_matches_the_hand_written_stack() -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests._support.autocast_ddp"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    proc = run_module("tests._support.autocast_ddp")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("step equal to the hand-written stack") == STEPS, proc.stdout
 
