@@ -13,8 +13,8 @@ Three ways to compile it:
   loop eagerly and compiles each block as a graph of its own, the scoped ones inside their
   scopes.
 - in-graph: ``torch.compile(model)`` with the scoped blocks made with ``in_graph=True``:
-  one graph, each scoped block one opaque region op in it, run eagerly inside its scope
-  (forward, and backward over the forward's kept graph).
+  one graph, each scoped block one opaque region op in it (two in training: forward and
+  backward), its node compiled by Inductor inside the op and run inside its scope.
 - regional: each block compiled on its own (``torch.compile(block)``, the scoped ones
   inside their proxies: ``Fp32ScopedModule(torch.compile(block), precision)``) and the
   stack itself left eager, which is torch's "regional compilation".
@@ -38,9 +38,8 @@ module that should run compiled ran. What runs eagerly by design, and is allowed
   Dynamo skips the stack's frame (as it would ``nn.Sequential``'s) and compiles each block
   as a frame of its own: the unscoped blocks each in their graph, the scoped ones in theirs
   inside their scopes (their Python ``forward`` does not run either).
-- in-graph, n > 0 scoped: the scoped blocks' ``forward`` and their children's, which the
-  region op runs eagerly inside its scope by design; the stack and the unscoped blocks run
-  in the one graph.
+- in-graph: nothing; the stack and every block run in the one graph, a scoped block's
+  node as Inductor's code inside its op.
 - regional: the stack's ``forward``, left eager on purpose; no block's.
 """
 
@@ -142,10 +141,10 @@ def stack(scoped: int, *, how: str) -> Built:
     blocks: list[torch.nn.Module] = []
     for i in range(BLOCKS):
         block: torch.nn.Module = block_class()
-        # A region runs its node eagerly, inside its scope: its forward and its children's.
-        eager = in_graph and i in where
+        # No block's forward runs in Python: under Inductor a region's node is compiled
+        # inside its op.
         for name, module in block.named_modules(prefix=f"block{i}"):
-            watched[id(module)] = (name, eager)
+            watched[id(module)] = (name, False)
         if regional:
             block = torch.compile(block)  # type: ignore[assignment]
         if i in where:

@@ -40,6 +40,7 @@ __all__ = [
     "aoti_packaging_missing",
     "cpu_capability",
     "dtensor_type",
+    "export_node_graph",
     "fsdp2_param_dtype",
     "is_dynamo_compiling",
     "is_exporting",
@@ -295,3 +296,18 @@ def aoti_packaging_missing(inductor: Any) -> str | None:
     if not hasattr(inductor.config.aot_inductor, "metadata"):
         return f"torch {TORCH_RELEASE}'s AOTInductor has no aot_inductor.metadata to record the precision in"
     return None
+
+
+def export_node_graph(fn: Callable[..., Any], args: tuple[Any, ...], decompositions: Any, *, joint: bool) -> Any:
+    """AOTAutograd's graph of ``fn`` (joint where ``joint``, else inference) and its metadata.
+
+    torch 2.4's private ``_aot_export_function`` decides "joint" from grad mode and the
+    inputs alone; later releases take ``trace_joint``.
+    """
+    from torch._functorch.aot_autograd import _aot_export_function
+
+    if _release_at_least(2, 5):
+        graph, meta, *_ = _aot_export_function(fn, args, decompositions=decompositions, trace_joint=joint)
+    else:
+        graph, meta, *_ = _aot_export_function(fn, args, decompositions=decompositions)
+    return graph, meta

@@ -146,7 +146,7 @@ def with_fp32_precision(  # noqa: PLR0913  (keyword-only options)
         regions: list[Region] = []
         scoped = _scoped_function(target, wrapper_scope(checked, label), checked, backward, trampoline, policy, regions)
         if region:
-            kept = Region(target, policy, label)
+            kept = Region(target, policy, label, compiled=not eager)
             kept.fallback = scoped  # a call it cannot carry: this wrapper's graph break
             regions.append(kept)
             # Never a target's own Dynamo mark, which update_wrapper copied (another wrapper's):

@@ -196,13 +196,13 @@ class Fp32ScopedModule(_ProxyBase):
         # Whether the first call still has to check the node's parameter dtypes (see _param_dtype).
         self._self_check_parameters = asks_full_float32(checked)
         # What a compiling parent traces in place of the call (see _region), or None: a graph break.
-        self._self_region = Region(module, self._self_autocast, label) if in_graph else None
+        self._self_region = Region(module, self._self_autocast, label, compiled=not eager) if in_graph else None
         if self._self_region is not None:  # a call it cannot carry: this wrapper's graph break
             self._self_region.fallback = functools.partial(_scoped_call, self)
         own = _own_dict(self)  # what ``__dict__`` returns (see there)
         if in_graph and "forward" in own:
             # A compiling parent's ``child.forward(x)``: a region too, of the forward alone.
-            region = Region(module, self._self_autocast, label, forward=True)
+            region = Region(module, self._self_autocast, label, forward=True, compiled=not eager)
             region.fallback = functools.partial(_call_scoped_forward, self)
             own["forward"] = _region_forward(self, region)
 

@@ -9,6 +9,13 @@ AOTAutograd and Inductor see as one call of the custom op ``fp32scope::region`` 
 inside the node's scope; the parent's graph runs around it at the process default, with
 no graph break (``fullgraph=True`` compiles).
 
+Where the parent's graph goes to Inductor, a call the node's compiled code can hold exactly
+is traced instead as the node's own graphs, compiled by Inductor inside their ops and run
+in the node's scope (:mod:`.inner`): no Python of the node runs, and its backward's tensors
+are saved by the parent's graph. What follows describes the eager region, which every
+other backend (``aot_eager``, a user's own), every ``eager=True`` node and every call the
+compiled code cannot hold (see :mod:`.inner`) gets.
+
 What crosses the op's boundary:
 
 * the call's tensor arguments, the node's parameters and its buffers are the op's inputs,
@@ -79,7 +86,7 @@ from fp32scope._compat import COMPILER_STATE, COMPILING_FLAG, dtensor_type, is_e
 from fp32scope._errors import Fp32RegionBreakWarning, Fp32ScopeError, user_stacklevel
 from fp32scope._flags import dynamo_exclude
 from fp32scope._flags.scope import EXPORTING_MSG, fp32_precision_scope, wrapper_scope
-from fp32scope._wrappers import carriers
+from fp32scope._wrappers import carriers, inner
 from fp32scope._wrappers.autocast import AutocastPolicy, cast_to_float32, warn_once_under_autocast
 
 __all__ = ["Region", "check_in_graph", "region_call", "traced_region", "warn_break"]
@@ -223,7 +230,13 @@ class Region:
     """What a scoped node's op needs at run time: the node, its scope, its layouts."""
 
     def __init__(
-        self, module: Callable[..., Any], policy: AutocastPolicy, precision_scope_name: str, *, forward: bool = False
+        self,
+        module: Callable[..., Any],
+        policy: AutocastPolicy,
+        precision_scope_name: str,
+        *,
+        forward: bool = False,
+        compiled: bool = True,
     ) -> None:
         self.key = _PROCESS | next(_numbers)
         # What a compiled graph holds: a string, since Dynamo may turn an int that differs
@@ -255,6 +268,10 @@ class Region:
         self.last_changes: tuple[tuple[carriers.Change, ...], ...] = ()
         # The constants of the last traced call's output that leave through traced_region.
         self.last_constants: tuple[tuple[int, Any], ...] = ()
+        # Whether a parent compiled by Inductor compiles the node inside its op (not an eager
+        # node's), and the compiled graphs per layout, or None where a layout cannot be.
+        self.compiled = compiled
+        self.inner: dict[tuple[Any, ...], inner.Entry | None] = {}
         _regions[self.key] = self
         _allow_in_graph()
 
@@ -950,29 +967,51 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
     known = region.mutated.get(region.training_layout())
     mutated = [_UNKNOWN] if known is None else list(known)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in itertools.chain(tensors, params))
-    op = torch.ops.fp32scope.region_grad.default if grad else torch.ops.fp32scope.region.default
-    # Every integer of the call in one SymInt[] (each list argument costs the dispatcher about
-    # as much as a small kernel, on every call), laid out as _Op reads it. The first is this
-    # call's own number: two calls of one region on the same inputs are two ops, which
-    # AOTAutograd's common-subexpression pass would otherwise merge into one (one kept graph
-    # for two backwards).
-    numbers = [next(_sites), layout, len(tensors), n_params, len(autocast), len(ints), *autocast, *ints, *mutated]
-    out = op(key, numbers, [*tensors, *params, *buffers])
-    found = region.mutated[region.training_layout()]
-    plan = region.carried.get(layout) if layout in region.carried_args else None
+    entry = None
+    if region.compiled and known == () and not ints and layout not in region.carried_args and inner.wants_inductor():
+        entry = _inner_entry(region, layout, autocast, [*tensors, *params, *buffers], len(tensors), grad=grad)
+    if entry is not None:
+        out = inner.apply(entry, next(_sites), [*tensors, *params, *buffers], grad=grad)
+        found: tuple[int, ...] = ()
+        plan = None
+    else:
+        op = torch.ops.fp32scope.region_grad.default if grad else torch.ops.fp32scope.region.default
+        # Every integer of the call in one SymInt[] (each list argument costs the dispatcher
+        # about as much as a small kernel, on every call), laid out as _Op reads it. The first
+        # is this call's own number: two calls of one region on the same inputs are two ops,
+        # which AOTAutograd's common-subexpression pass would otherwise merge into one (one
+        # kept graph for two backwards).
+        numbers = [next(_sites), layout, len(tensors), n_params, len(autocast), len(ints), *autocast, *ints, *mutated]
+        out = op(key, numbers, [*tensors, *params, *buffers])
+        found = region.mutated[region.training_layout()]
+        plan = region.carried.get(layout) if layout in region.carried_args else None
     n_carried = 0 if plan is None else plan.n_outputs
     n_out = len(out) - len(found) - n_carried
     for i, update in zip(found, out[n_out : n_out + len(found)], strict=True):
         buffers[i].copy_(update)
+    result = _node_output(region, layout, out[:n_out])
+    if plan is None:
+        return result
+    # The carried tensors the node updated in place, written back as the buffers are; the
+    # new ones go back to traced_region, which binds them on the caller's objects.
+    carried = out[len(out) - n_carried :]
+    for i, update in zip(plan.inplace, carried[plan.n_rebound :], strict=True):
+        tensors[i].copy_(update)
+    region.last_changes = plan.changes
+    return result, list(carried[: plan.n_rebound])
+
+
+def _node_output(region: Region, layout: int, tensors: list[torch.Tensor]) -> Any:
+    """The node's output, as its layout's structure, around the op's tensor outputs."""
     spec, out_leaves = region.out_specs[layout]
     held: list[tuple[int, Any]] = []
     if spec is None:
-        result = out[0]
+        result = tensors[0]
     else:
         # Constants other than None, bools and ints leave through traced_region instead (read
         # by _out_constants): Dynamo on torch 2.4 refuses a float, a str or a dtype returned
         # by a call it keeps whole ("torch.* op returned non-Tensor float").
-        it = iter(out[:n_out])
+        it = iter(tensors)
         returned: list[Any] = []
         for i, leaf in enumerate(out_leaves):
             if leaf is _TENSOR:
@@ -984,15 +1023,64 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
                 returned.append(None)
         result = _pytree.tree_unflatten(returned, spec)
     region.last_constants = tuple(held)
-    if plan is None:
-        return result
-    # The carried tensors the node updated in place, written back as the buffers are; the
-    # new ones go back to traced_region, which binds them on the caller's objects.
-    carried = out[len(out) - n_carried :]
-    for i, update in zip(plan.inplace, carried[plan.n_rebound :], strict=True):
-        tensors[i].copy_(update)
-    region.last_changes = plan.changes
-    return result, list(carried[: plan.n_rebound])
+    return result
+
+
+def _has_hooks(module: object) -> bool:
+    """Whether a module's call runs hooks (its own, its submodules', or global ones)."""
+    if not isinstance(module, torch.nn.Module):
+        return False
+    from torch.nn.modules import module as module_module
+
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    if any(getattr(module_module, f"_global{kind}", None) for kind in kinds):
+        return True
+    return any(getattr(sub, kind, None) for sub in module.modules() for kind in kinds)
+
+
+def _inner_entry(  # noqa: PLR0913  (a traced call's state, kept together)
+    region: Region, layout: int, autocast: list[int], values: list[torch.Tensor], n_tensors: int, *, grad: bool
+) -> inner.Entry | None:
+    """The node's compiled graphs for this call's layout, or None where it runs eagerly in its op.
+
+    ``values`` are the op's inputs: the call's ``n_tensors`` tensors, the node's parameters, its buffers.
+    """
+    grad_mask = sum(1 << i for i, t in enumerate(values) if grad and t.requires_grad)
+    key = (
+        layout,
+        grad_mask,
+        tuple(autocast),
+        region.training_layout(),
+        tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in values),
+    )
+    if key in region.inner:
+        return region.inner[key]
+    entry = None
+    if not _has_hooks(region.module):
+        n_params, n_buffers = region.counts()
+        p_slots, b_slots = region.slots(n_params, n_buffers)
+
+        def node(*flat: torch.Tensor) -> list[torch.Tensor]:
+            args, kwargs = region.rebuild(layout, list(flat[:n_tensors]), [])
+            saved_p = _bind(p_slots, "_parameters", list(flat[n_tensors : n_tensors + n_params]))
+            saved_b = _bind(b_slots, "_buffers", list(flat[n_tensors + n_params :])) if b_slots else None
+            try:
+                return _flatten_out(region, layout, _call_node(region, autocast, args, kwargs))
+            finally:
+                if saved_b is not None:
+                    _unbind(b_slots, "_buffers", saved_b)
+                _unbind(p_slots, "_parameters", saved_p)
+
+        # A scope entered while the node is traced (a nested scoped node) refuses, as it does
+        # in any traced code: such a node runs eagerly in its op instead, where it enters.
+        compiling = COMPILER_STATE[COMPILING_FLAG]
+        COMPILER_STATE[COMPILING_FLAG] = True
+        try:
+            entry = inner.build(node, values, grad_mask, region.scope, Fp32ScopeError)
+        finally:
+            COMPILER_STATE[COMPILING_FLAG] = compiling
+    region.inner[key] = entry
+    return entry
 
 
 def _carriable(value: object) -> bool:

@@ -230,4 +230,4 @@ def test_cli_compile_options_reach_torch_compile(
     assert all(options == {"backend": "aot_eager"} for options in alone)
     advice = fp32scope.Fp32Advice.from_json(report.read_text())
     assert advice.compile == {"backend": "aot_eager", "fullgraph": True}
-    assert advice.policy == {"router": {**KEPT, "in_graph": True}}  # the full float32 reference: regions
+    assert advice.policy == {"router": {**KEPT, "eager": True}}  # the full float32 reference: eager regions

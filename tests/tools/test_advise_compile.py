@@ -34,7 +34,7 @@ from tests._support.common import ROOT
 
 TOLERANCE = 1e-3
 BF16 = torch.bfloat16
-REGION = {"matmul": "highest", "cudnn_allow_tf32": False, "in_graph": True}
+REGION = {"matmul": "highest", "cudnn_allow_tf32": False, "eager": True}
 
 
 class _Counted:

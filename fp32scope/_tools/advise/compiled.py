@@ -21,15 +21,16 @@ from fp32scope._tools.advise.measure import _Runner, _to_float32
 from fp32scope._tools.advise.report import FULL_FLOAT32
 from fp32scope._wrappers.policy import scope_modules, unscope_modules
 
-__all__ = ["EAGER", "FULL_FLOAT32_REGION", "kept_rule", "sensitivities"]
+__all__ = ["EAGER", "FULL_FLOAT32_EAGER", "kept_rule", "sensitivities"]
 
 #: The rule of a node kept with ``reference="eager"``: it runs as eager runs it.
 EAGER = "eager"
-#: The rule of a node kept with ``compile=`` and the full float32 reference: a full float32
-#: in-graph region of the compiled model (no graph break).
-FULL_FLOAT32_REGION: dict[str, Any] = {"matmul": "highest", "cudnn_allow_tf32": False, "in_graph": True}
-#: How a candidate's candidate submodules run while it is compiled alone, full float32 reference.
-_FULL_FLOAT32_EAGER: dict[str, Any] = {"matmul": "highest", "cudnn_allow_tf32": False, "eager": True}
+#: The rule of a node kept with ``compile=`` and the full float32 reference: full float32,
+#: run as eager runs it, an in-graph region of the compiled model (no graph break). Not a
+#: region compiled inside: Inductor's own choices (fused float32 chains, other math
+#: routines) would still part it from the full float32 reference it is measured against.
+#: Also how a candidate's candidate submodules run while it is compiled alone.
+FULL_FLOAT32_EAGER: dict[str, Any] = {"matmul": "highest", "cudnn_allow_tf32": False, "eager": True}
 
 
 def kept_rule(runner: _Runner) -> str | dict[str, Any]:
@@ -37,7 +38,7 @@ def kept_rule(runner: _Runner) -> str | dict[str, Any]:
     if runner.reference_fast:
         return EAGER
     if runner.compile is not None:
-        return dict(FULL_FLOAT32_REGION)
+        return dict(FULL_FLOAT32_EAGER)
     return dict(FULL_FLOAT32)
 
 
@@ -88,7 +89,7 @@ def sensitivities(  # noqa: PLR0913, PLR0917  (the search's state, kept together
         below = [d for d in chosen if d in inside[key]]
         nearest = [d for d in below if not any(d in inside[e] for e in below)]
         inner: dict[str, Any] = {
-            name: EAGER if runner.reference_fast else dict(_FULL_FLOAT32_EAGER) for d in nearest for name in names[d]
+            name: EAGER if runner.reference_fast else dict(FULL_FLOAT32_EAGER) for d in nearest for name in names[d]
         }
         autocast = False if runner.dtype is not None and not runner.reference_fast else None
         with ExitStack() as stack:

@@ -51,12 +51,13 @@ class Fp32Advice:
     """What :func:`advise` found: the policy, the errors measured with and without it, and each node.
 
     ``policy`` is ``{qualified name: {"matmul": "highest", "cudnn_allow_tf32": False}}``
-    (with ``compile=``, the rule also says ``"in_graph": True``: a full float32 region of the
-    compiled model; with ``reference="eager"``, the value is the string ``"eager"``: the node
-    runs as eager runs it), a mapping :func:`~fp32scope.scope_modules` takes as it is or after
-    a round trip through JSON; ``autocast`` is what to pass to it with the policy (False when
-    the model runs under ``torch.autocast`` and the kept nodes are full float32: they then run
-    without it; else None). With ``compile``, compile the model after scoping it, with those
+    (with ``compile=``, the rule also says ``"eager": True``: a full float32 node run as eager
+    runs it, an in-graph region of the compiled model; with ``reference="eager"``, the value
+    is the string ``"eager"``: the node runs as eager runs it), a mapping
+    :func:`~fp32scope.scope_modules` takes as it is or after a round trip through JSON;
+    ``autocast`` is what to pass to it with the policy (False when the model runs under
+    ``torch.autocast`` and the kept nodes are full float32: they then run without it; else
+    None). With ``compile``, compile the model after scoping it, with those
     arguments, as the advice measured it.
 
     What it promises: on every batch it was given (calibration and held-out) the policy's

@@ -1,0 +1,396 @@
+"""Compiled regions: a region's node compiled by Inductor inside its op, in the node's precision.
+
+Where a compiled parent's graph goes to Inductor, a region's call is traced as the node's
+own graphs instead of one call that runs the node eagerly: while AOTAutograd traces the
+parent, the node is traced functionally on fake tensors of the call's layout (its
+arguments, parameters and buffers as inputs) with Inductor's decompositions, and, where a
+gradient is needed, its joint graph is split as Inductor splits one. The parent's graph
+then holds ``fp32scope::inner`` (no gradient), or ``fp32scope::inner_fwd`` and
+``fp32scope::inner_bwd`` joined by the tensors the backward needs, which the parent's
+graph carries from one to the other as any saved tensor: no table, no token, and a
+second backward (``retain_graph=True``) works as it does for the parent alone.
+
+Each graph is compiled by Inductor the first time it runs, inside the node's scope, so that
+code generation (Triton's TF32 switches, the CPU's packed bf16 linear) sees the node's
+precision; its kernels run in the scope too, at every call.
+
+What is compiled inside is what the trace can hold exactly. A call is left to the eager
+region (the node run eagerly inside the op) where the node updates a buffer or a carried
+cache, returns a view of an input, takes an int that varies between calls or a tensor of
+symbolic shape, has hooks (they run at every call in an eager region), enters a scope of
+its own (a nested scoped node), or where the trace fails: :func:`build` returns None.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Final, cast
+
+import torch
+
+from fp32scope._compat import export_node_graph
+from fp32scope._flags import dynamo_exclude
+
+__all__ = ["Entry", "apply", "build", "wants_inductor"]
+
+_lib = torch.library.Library("fp32scope", "FRAGMENT")  # type: ignore[no-untyped-call]  # torch's untyped API
+_numbers = itertools.count(1)
+# An entry's number holds random bits of its process, as a region's does: Inductor's and
+# AOTAutograd's caches on disk serve a graph to another process, where the same number would
+# name another node's graphs.
+_PROCESS: Final = secrets.randbits(24) << 32
+_entries: weakref.WeakValueDictionary[int, Entry] = weakref.WeakValueDictionary()
+_INDUCTOR_FILE: Final = "_inductor/compile_fx.py"
+
+
+def wants_inductor() -> bool:
+    """Whether the graph being traced goes to Inductor (its ``compile_fx`` is on the stack)."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.replace("\\", "/").endswith(_INDUCTOR_FILE):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+class _Graph:
+    """One of an entry's graphs, compiled on its first run inside the node's scope."""
+
+    __slots__ = ("compiled", "example", "gm", "inputs", "is_backward", "is_inference", "lock", "outputs")
+
+    def __init__(self, gm: torch.fx.GraphModule, *, is_backward: bool = False, is_inference: bool = False) -> None:
+        self.gm = gm
+        self.is_backward = is_backward
+        self.is_inference = is_inference
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.example = [n.meta["val"] for n in placeholders]
+        # The layouts it is compiled for: inputs and outputs are made to match at run time.
+        self.inputs = [_layout(v) for v in self.example]
+        self.outputs = [None if v is None else _layout(v.meta["val"]) for v in _output_nodes(gm)]
+        self.compiled: Callable[[list[Any]], Sequence[Any]] | None = None
+        self.lock = threading.Lock()
+
+    def run(self, values: list[torch.Tensor]) -> list[Any]:
+        compiled = self.compiled
+        if compiled is None:
+            compiled = self._compile()
+        args = [_as_layout(v, layout) for v, layout in zip(values, self.inputs, strict=True)]
+        out = compiled(args)
+        return [
+            o if layout is None or o is None else _as_layout(o, layout)
+            for o, layout in zip(out, self.outputs, strict=True)
+        ]
+
+    def _compile(self) -> Callable[[list[Any]], Sequence[Any]]:
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        with self.lock:
+            if self.compiled is None:
+                kwargs: dict[str, Any] = {"is_backward": self.is_backward}
+                if self.is_inference:
+                    kwargs["is_inference"] = True
+                with torch._guards.tracing(None):  # no parent's context
+                    self.compiled = cast(
+                        "Callable[[list[Any]], Sequence[Any]]", compile_fx_inner(self.gm, self.example, **kwargs)
+                    )
+            return self.compiled
+
+
+def _layout(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    return tuple(value.shape), tuple(value.stride())
+
+
+def _as_layout(value: torch.Tensor, layout: tuple[tuple[int, ...], tuple[int, ...]] | None) -> torch.Tensor:
+    # The compiled graph assumes the strides it was compiled for (Inductor asserts them on
+    # its inputs); an incoming gradient may be an expanded one, an output laid out otherwise.
+    if layout is None or value.stride() == layout[1]:
+        return value
+    out = torch.empty_strided(layout[0], layout[1], dtype=value.dtype, device=value.device)
+    out.copy_(value)
+    return out
+
+
+def _output_nodes(gm: torch.fx.GraphModule) -> list[Any]:
+    return list(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
+
+
+class Entry:
+    """A region call's compiled graphs, for one layout of its inputs."""
+
+    __slots__ = ("__weakref__", "backward", "forward", "grads", "n_out", "number", "scope", "sources", "tangents")
+
+    def __init__(  # noqa: PLR0913  (what the trace found, kept together)
+        self,
+        scope: Any,
+        forward: _Graph,
+        backward: _Graph | None = None,
+        *,
+        n_out: int,
+        tangents: tuple[int, ...] = (),
+        grads: tuple[bool, ...] = (),
+        sources: tuple[tuple[int, int], ...] = (),
+    ) -> None:
+        self.number = _PROCESS | next(_numbers)
+        self.scope = scope  # the node's precision scope
+        self.forward = forward
+        self.backward = backward
+        self.n_out = n_out  # the node's tensor outputs (the forward's first outputs)
+        self.tangents = tangents  # the outputs a gradient flows back from, by position
+        self.grads = grads  # per input: whether the backward graph returns its gradient
+        self.sources = sources  # what the backward takes first: (0, input) or (1, forward output)
+        _entries[self.number] = self
+
+
+def build(
+    fn: Callable[..., list[torch.Tensor]],
+    values: Sequence[torch.Tensor],
+    grad_mask: int,
+    scope: Any,
+    on_nested: type[BaseException],
+) -> Entry | None:
+    """Trace ``fn`` (the node's call over the op's inputs) into compiled graphs, or None where it cannot be.
+
+    ``grad_mask`` says which inputs need a gradient (none: an inference graph). The trace runs
+    on fresh fake tensors, outside the parent's trace. ``on_nested`` is the exception a
+    scope entered while tracing raises (a nested scoped node): such a node is not compiled.
+    """
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    if any(not _static(v) for v in values):
+        return None
+    with _disable_current_modes(), torch._guards.tracing(None):
+        mode = FakeTensorMode()
+        with mode:
+            fakes = [
+                torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device).requires_grad_(
+                    bool(grad_mask >> i & 1)
+                )
+                for i, v in enumerate(values)
+            ]
+        try:
+            with torch.enable_grad() if grad_mask else torch.no_grad():
+                graph, meta = export_node_graph(fn, tuple(fakes), select_decomp_table(), joint=bool(grad_mask))
+        except on_nested:
+            return None
+        from torch._functorch._aot_autograd.schemas import OutputType
+
+        if any(i.mutates_data or i.mutates_metadata for i in meta.input_info) or any(
+            o.output_type != OutputType.non_alias for o in meta.output_info
+        ):
+            return None
+        n_out = len(meta.output_info)
+        if not grad_mask:
+            return Entry(scope, _Graph(graph, is_inference=True), n_out=n_out)
+        tangents = tuple(i for i, o in enumerate(meta.output_info) if o.requires_grad)
+        primals = [n for n in graph.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
+        tangent_nodes = [n for n in graph.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+        fw, bw = min_cut_rematerialization_partition(
+            graph,
+            [[p.meta["val"] for p in primals], [t.meta["val"] for t in tangent_nodes]],
+            compiler="inductor",
+            num_fwd_outputs=n_out,
+        )
+        grads = tuple(g is not None for g in _output_nodes(bw))
+        sources = _save_bases(fw, bw, n_out)
+        return Entry(
+            scope,
+            _Graph(fw),
+            _Graph(bw, is_backward=True),
+            n_out=n_out,
+            tangents=tangents,
+            grads=grads,
+            sources=sources,
+        )
+
+
+def _is_view(node: Any) -> bool:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    returns = target._schema.returns
+    if len(returns) != 1 or returns[0].alias_info is None or returns[0].alias_info.is_write:
+        return False
+    others = [*node.args[1:], *node.kwargs.values()]
+    return not any(isinstance(leaf, torch.fx.Node) for leaf in torch.utils._pytree.tree_leaves(others))
+
+
+def _save_bases(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, n_out: int) -> tuple[tuple[int, int], ...]:
+    """Make the backward take what it reads as the bases of their views, replayed inside it.
+
+    An op's output may not alias its input, and the partition saves views of the inputs (a
+    Linear's weight, transposed twice) and the inputs themselves: leaving the op, each would
+    be a copy (a weight's, at every step). Instead the backward graph takes each saved
+    tensor's base (an input of the forward, one of its outputs, or a tensor it saves) and
+    replays the views itself. Returns where each of the backward's saved inputs comes from:
+    (0, i) the forward's input i, (1, j) its output j (the node's outputs, then what it saves).
+    """
+    fw_output = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+    outs = list(fw_output.args[0])
+    inputs = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    holders = placeholders[: len(outs) - n_out]
+    kept = outs[:n_out]
+    sources: list[tuple[int, int]] = []
+    bases: dict[Any, Any] = {}  # base (a forward node) -> its new placeholder in the backward
+    body = next(n for n in bw.graph.nodes if n.op != "placeholder")
+    # The new placeholders go where the saved ones were: before the tangents.
+    anchor = placeholders[len(holders)] if len(placeholders) > len(holders) else body
+    for saved, holder in zip(outs[n_out:], holders, strict=True):
+        chain = []
+        base = saved
+        while _is_view(base):
+            chain.append(base)
+            base = base.args[0]
+        if base not in bases:
+            with bw.graph.inserting_before(anchor):
+                placeholder = bw.graph.placeholder(f"{holder.name}_base")
+            placeholder.meta["val"] = base.meta["val"]
+            bases[base] = placeholder
+            if base.op == "placeholder":
+                sources.append((0, inputs.index(base)))
+            else:
+                if base not in kept:
+                    kept.append(base)
+                sources.append((1, kept.index(base)))
+        value = bases[base]
+        with bw.graph.inserting_before(body):
+            for view in reversed(chain):
+                replayed = bw.graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))
+                replayed.meta["val"] = view.meta["val"]
+                value = replayed
+        holder.replace_all_uses_with(value)
+        bw.graph.erase_node(holder)
+    fw_output.args = (tuple(kept),)
+    fw.graph.eliminate_dead_code()
+    fw.recompile()
+    bw.graph.lint()
+    bw.recompile()
+    return tuple(sources)
+
+
+def _static(value: torch.Tensor) -> bool:
+    return all(type(s) is int for s in (*value.shape, *value.stride(), value.storage_offset()))
+
+
+# -- the ops ------------------------------------------------------------------------------
+
+# ``spec`` is [site, entry]: the site keeps two calls of one node apart (a node drawing
+# random numbers gives two results), the entry names the graphs.
+_lib.define("inner(int[] spec, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
+_lib.define("inner_fwd(int[] spec, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
+_lib.define("inner_bwd(int[] spec, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
+
+
+def _unalias(outputs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    # An op's output may alias neither its inputs nor another output (AOTAutograd and
+    # Inductor assume it): a compiled graph hands back an input, or one buffer as two views.
+    seen = {t.untyped_storage()._cdata for t in inputs}
+    for i, o in enumerate(outputs):
+        storage = o.untyped_storage()._cdata
+        if storage in seen:
+            outputs[i] = o.clone()
+        else:
+            seen.add(storage)
+    return outputs
+
+
+def _inner_impl(spec: list[int], values: list[torch.Tensor]) -> list[torch.Tensor]:
+    entry = _entries[spec[1]]
+    with entry.scope:
+        out = entry.forward.run(values)
+    return _unalias(out, values)
+
+
+def _inner_bwd_impl(spec: list[int], values: list[torch.Tensor]) -> list[torch.Tensor]:
+    entry = _entries[spec[1]]
+    backward = cast("_Graph", entry.backward)
+    with entry.scope:
+        out = backward.run(values)
+    return _unalias([g for g in out if g is not None], values)
+
+
+def _fake(graph: _Graph, keep: Callable[[Any], bool]) -> list[torch.Tensor]:
+    return [
+        torch.empty_strided(layout[0], layout[1], dtype=node.meta["val"].dtype, device=node.meta["val"].device)
+        for node, layout in zip(_output_nodes(graph.gm), graph.outputs, strict=True)
+        if keep(node) and layout is not None
+    ]
+
+
+def _inner_fake(spec: list[int], _values: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _fake(_entries[spec[1]].forward, lambda _: True)
+
+
+def _inner_bwd_fake(spec: list[int], _values: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _fake(cast("_Graph", _entries[spec[1]].backward), lambda node: node is not None)
+
+
+for _name, _kernel, _fake_kernel in (
+    ("inner", _inner_impl, _inner_fake),
+    ("inner_fwd", _inner_impl, _inner_fake),
+    ("inner_bwd", _inner_bwd_impl, _inner_bwd_fake),
+):
+    _lib.impl(_name, _kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+    torch.library.register_fake(f"fp32scope::{_name}", _fake_kernel, lib=_lib)
+
+
+class _InnerFunction(torch.autograd.Function):
+    """Joins an entry's forward and backward ops while a graph is traced (it never runs otherwise)."""
+
+    @staticmethod
+    def forward(ctx: Any, site: int, number: int, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        entry = _entries[number]
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            out = torch.ops.fp32scope.inner_fwd([site, number], list(values))
+        outputs = out[: entry.n_out]
+        ctx.save_for_backward(*(out[i] if kind else values[i] for kind, i in entry.sources))
+        ctx.number = number
+        ctx.site = site
+        wanted = set(entry.tangents)
+        ctx.mark_non_differentiable(*(o for i, o in enumerate(outputs) if i not in wanted))
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        entry = _entries[ctx.number]
+        saved = list(ctx.saved_tensors)
+        tangents = []
+        for i in entry.tangents:
+            g = grads[i]
+            tangents.append(g if g is not None else torch.zeros(entry.forward.outputs[i][0]))  # type: ignore[index]
+        found = iter(torch.ops.fp32scope.inner_bwd([ctx.site, ctx.number], [*saved, *tangents]))
+        return (None, None, *(next(found) if has else None for has in entry.grads))
+
+
+def apply(entry: Entry, site: int, values: list[torch.Tensor], *, grad: bool) -> list[torch.Tensor]:
+    """The entry's op in a graph being traced: its tensor outputs, with their gradient (``grad``)."""
+    if not grad:
+        out: list[torch.Tensor] = torch.ops.fp32scope.inner([site, entry.number], values)
+        return out
+    fn = cast("Callable[..., tuple[torch.Tensor, ...]]", _InnerFunction.apply)
+    return list(fn(site, entry.number, *values))
+
+
+dynamo_exclude.exclude(
+    _inner_impl,
+    _inner_bwd_impl,
+    _inner_fake,
+    _inner_bwd_fake,
+    _fake,
+    _unalias,
+    _as_layout,
+    _Graph.run,
+    _Graph._compile,
+    graph_break=False,
+)

@@ -1,0 +1,256 @@
+"""Regions compiled inside: under Inductor a region's node runs as Inductor's code, in its precision.
+
+Whether the node ran compiled is read from Python itself: its ``forward`` frame starts only
+when it runs eagerly (``python_frames``). Its precision is read where its kernels run, by
+probes (opaque custom ops recording the flags, forward and backward) inside the compiled
+code. Results are compared with the same scoped model run eagerly.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from fp32scope import Fp32Precision, Fp32ScopedModule, current_fp32_precision, set_process_default
+from tests._support import probe as _probe
+from tests._support.common import DEFAULT, FULL
+from tests._support.compiled import forbid_recompiles, python_frames
+from tests._support.probe import phases, probe
+
+pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
+
+WIDTH = 16
+
+
+def close(actual: torch.Tensor | None, expected: torch.Tensor | None) -> None:
+    """Equal to rounding: Inductor's code and eager's kernels add in other orders."""
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _clear_probes() -> None:
+    _probe.SEEN.clear()
+
+
+class Node(torch.nn.Module):
+    """Linear + GELU + Linear, with probes inside (they run where the node's kernels run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(WIDTH, WIDTH)
+        self.second = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.second(probe(torch.nn.functional.gelu(self.first(x)), "node"))
+        return out
+
+
+class Parent(torch.nn.Module):
+    def __init__(self, node: torch.nn.Module, precision: Fp32Precision, **options: Any) -> None:
+        super().__init__()
+        self.before = torch.nn.Linear(WIDTH, WIDTH)
+        self.node = Fp32ScopedModule(node, precision, **options)
+        self.after = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        h = probe(self.before(x), "before")
+        return probe(self.after(self.node(h, *rest)), "after")
+
+
+def _bare(model: Parent) -> torch.nn.Module:
+    node: torch.nn.Module = model.node.__wrapped__
+    return node
+
+
+def _eager_twin(model: Parent) -> Parent:
+    # The same scoped model, run eagerly (a graph break where it is compiled: never here).
+    twin = copy.deepcopy(model)
+    twin.node = Fp32ScopedModule(_bare(twin), FULL, in_graph=False)
+    return twin
+
+
+def _step(model: Any, x: torch.Tensor, *, train: bool) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    if not train:
+        with torch.no_grad():
+            return model(x), []
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["training", "no_grad"])
+def test_under_inductor_a_region_node_runs_compiled_inside_its_op_in_its_precision(train: bool) -> None:
+    set_process_default(DEFAULT)
+    torch.manual_seed(0)
+    model = Parent(Node(), FULL)
+    twin = _eager_twin(model)
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    _step(compiled, x, train=train)  # compiles
+    for p in model.parameters():
+        p.grad = None
+    _probe.SEEN.clear()
+    with forbid_recompiles(), python_frames(Node.forward.__code__) as frames:
+        out, grads = _step(compiled, x, train=train)
+    assert frames == [0]  # no Python forward of the node: it ran as Inductor's code
+    assert phases("fwd") == {"before": [DEFAULT], "node": [FULL], "after": [DEFAULT]}
+    if train:
+        assert phases("bwd") == {"after": [DEFAULT], "node": [FULL], "before": [DEFAULT]}
+    expected, expected_grads = _step(twin, x, train=train)
+    close(out, expected)
+    for grad, want in zip(grads, expected_grads, strict=True):
+        close(grad, want)
+    assert current_fp32_precision() == DEFAULT
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def test_under_aot_eager_a_region_node_runs_eagerly_inside_its_op() -> None:
+    set_process_default(DEFAULT)
+    model = Parent(Node(), FULL)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    _step(compiled, x, train=True)
+    with python_frames(Node.forward.__code__) as frames:
+        _step(compiled, x, train=True)
+    assert frames == [1]  # once per call: the node's own eager forward, in its op
+    assert phases("fwd")["node"][-1] == FULL
+
+
+class Unused(torch.nn.Module):
+    """Reads only its first argument: the second, which needs a gradient, gets none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.linear(x)
+        return out
+
+
+def test_an_input_a_compiled_inside_node_never_reads_gets_no_gradient_as_in_eager() -> None:
+    model = Parent(Unused(), FULL)
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    x, y = torch.randn(4, WIDTH), torch.randn(4, WIDTH, requires_grad=True)
+    compiled(x, y).sum().backward()  # compiles (the traces run the node's Python on fake tensors)
+    with python_frames(Unused.forward.__code__) as frames:
+        compiled(x, y).sum().backward()
+    assert frames == [0]  # compiled inside
+    assert y.grad is None  # None, as eager leaves it: not zeros, which an optimizer would step on
+    assert model.node.linear.weight.grad is not None
+
+
+class Hooked(Node):
+    """A node with a forward hook that counts its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.register_forward_hook(self._count)
+
+    def _count(self, *_: object) -> None:
+        self.calls += 1
+
+
+class Norm(torch.nn.Module):
+    """A batch norm in training: it updates its running statistics in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.norm = torch.nn.BatchNorm1d(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.norm(probe(self.linear(x), "node"))
+        return out
+
+
+class Nested(torch.nn.Module):
+    """A node holding a scoped node of another precision."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outer = torch.nn.Linear(WIDTH, WIDTH)
+        self.inner = Fp32ScopedModule(Node(), DEFAULT, in_graph=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(probe(self.outer(x), "nested outer"))
+        return out
+
+
+def _eager_nodes() -> dict[str, tuple[torch.nn.Module, dict[str, Any]]]:
+    return {
+        "eager-node": (Node(), {"eager": True}),
+        "forward-hook": (Hooked(), {}),
+        "batch-norm-updating-buffers": (Norm(), {}),
+        "nested-scoped-node": (Nested(), {}),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_eager_nodes()))
+def test_a_node_the_compiled_code_cannot_hold_exactly_runs_eagerly_in_its_op_as_eager_runs_it(kind: str) -> None:
+    set_process_default(DEFAULT)
+    torch.manual_seed(0)
+    node, options = _eager_nodes()[kind]
+    model = Parent(node, FULL, **options)
+    twin = _eager_twin(model)
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    for step in range(3):
+        calls = getattr(node, "calls", 0)
+        with python_frames(type(node).forward.__code__) as frames:
+            out, grads = _step(compiled, x, train=True)
+        expected, expected_grads = _step(twin, x, train=True)
+        if step:  # (the first call compiles: the traces run the node's Python on fake tensors)
+            assert frames == [1]  # the node's own forward, once per call
+            assert getattr(node, "calls", 0) - calls == (kind == "forward-hook")  # and its hook
+        close(out, expected)
+        for grad, want in zip(grads, expected_grads, strict=True):
+            close(grad, want)
+        for mine, theirs in zip(model.buffers(), twin.buffers(), strict=True):
+            torch.testing.assert_close(mine, theirs)
+    assert phases("fwd")["node"][-1] == (DEFAULT if kind == "nested-scoped-node" else FULL)
+    if kind == "nested-scoped-node":
+        assert phases("fwd")["nested outer"][-1] == FULL
+    assert sum(counters["graph_break"].values()) == 0
+
+
+class Passthrough(torch.nn.Module):
+    """Returns its input's view beside a new tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.linear(x), x.view(-1)
+
+
+def test_a_node_returning_a_view_of_its_input_runs_eagerly_with_eagers_results() -> None:
+    class Caller(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.node = Fp32ScopedModule(Passthrough(), FULL)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out, flat = self.node(x * 2)
+            total: torch.Tensor = out.sum() + flat.square().sum()
+            return total
+
+    model = Caller()
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    x = torch.randn(4, WIDTH, requires_grad=True)
+    compiled(x)  # compiles
+    with python_frames(Passthrough.forward.__code__) as frames:
+        got = compiled(x)
+    got.backward()
+    grad = x.grad
+    x.grad = None
+    model(x).backward()
+    assert frames == [1]
+    close(got, model(x))
+    close(grad, x.grad)
