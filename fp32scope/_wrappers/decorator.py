@@ -94,8 +94,9 @@ def with_fp32_precision(  # noqa: PLR0913  (keyword-only options)
 
     Apply it to the compiled callable, never inside it: Dynamo cannot trace a flag change.
     By default (``in_graph`` None or True) a compiling caller traces the call as one region
-    of its own graph: no graph break, ``fullgraph=True`` works, and the target runs eagerly
-    inside the scope (see the compiled guide); a function target then takes every tensor
+    of its own graph: no graph break, ``fullgraph=True`` works, and the target runs inside
+    the scope (compiled by Inductor inside the region where the caller's graph goes to
+    Inductor, else eagerly: see the compiled guide); a function target then takes every tensor
     that needs a gradient as an argument (a method reaching its module through ``self`` is a
     graph break instead: wrap the module with :class:`~fp32scope.Fp32ScopedModule`). With
     ``in_graph=False``, a target that is not compiled already and is called from compiled

@@ -33,9 +33,10 @@ from typing import Any, Final, cast
 import torch
 
 from fp32scope._compat import export_node_graph
+from fp32scope._errors import Fp32ScopeError
 from fp32scope._flags import dynamo_exclude
 
-__all__ = ["Entry", "apply", "build", "wants_inductor"]
+__all__ = ["Entry", "apply", "build", "is_static", "node_state", "state_holds", "wants_inductor"]
 
 _lib = torch.library.Library("fp32scope", "FRAGMENT")  # type: ignore[no-untyped-call]  # torch's untyped API
 _numbers = itertools.count(1)
@@ -125,7 +126,19 @@ def _output_nodes(gm: torch.fx.GraphModule) -> list[Any]:
 class Entry:
     """A region call's compiled graphs, for one layout of its inputs."""
 
-    __slots__ = ("__weakref__", "backward", "forward", "grads", "n_out", "number", "scope", "sources", "tangents")
+    __slots__ = (
+        "__weakref__",
+        "backward",
+        "forward",
+        "grads",
+        "n_out",
+        "name",
+        "number",
+        "scope",
+        "sources",
+        "state",
+        "tangents",
+    )
 
     def __init__(  # noqa: PLR0913  (what the trace found, kept together)
         self,
@@ -146,6 +159,9 @@ class Entry:
         self.tangents = tangents  # the outputs a gradient flows back from, by position
         self.grads = grads  # per input: whether the backward graph returns its gradient
         self.sources = sources  # what the backward takes first: (0, input) or (1, forward output)
+        # The node's plain attributes the graphs were traced with (see check_state), and its name.
+        self.state: tuple[tuple[dict[str, Any], str, object], ...] = ()
+        self.name = ""
         _entries[self.number] = self
 
 
@@ -154,21 +170,19 @@ def build(
     values: Sequence[torch.Tensor],
     grad_mask: int,
     scope: Any,
-    on_nested: type[BaseException],
 ) -> Entry | None:
     """Trace ``fn`` (the node's call over the op's inputs) into compiled graphs, or None where it cannot be.
 
     ``grad_mask`` says which inputs need a gradient (none: an inference graph). The trace runs
-    on fresh fake tensors, outside the parent's trace. ``on_nested`` is the exception a
-    scope entered while tracing raises (a nested scoped node): such a node is not compiled.
+    on fresh fake tensors, outside the parent's trace. A scope entered while tracing (a nested
+    scoped node) refuses with :class:`Fp32ScopeError`, as in any traced code: such a node is
+    not compiled.
     """
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
-    if any(not _static(v) for v in values):
-        return None
     with _disable_current_modes(), torch._guards.tracing(None):
         mode = FakeTensorMode()
         with mode:
@@ -181,7 +195,7 @@ def build(
         try:
             with torch.enable_grad() if grad_mask else torch.no_grad():
                 graph, meta = export_node_graph(fn, tuple(fakes), select_decomp_table(), joint=bool(grad_mask))
-        except on_nested:
+        except Fp32ScopeError:
             return None
         from torch._functorch._aot_autograd.schemas import OutputType
 
@@ -279,7 +293,8 @@ def _save_bases(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, n_out: int) 
     return tuple(sources)
 
 
-def _static(value: torch.Tensor) -> bool:
+def is_static(value: torch.Tensor) -> bool:
+    """Whether a tensor's sizes, strides and offset are plain ints (not symbols of dynamic shapes)."""
     return all(type(s) is int for s in (*value.shape, *value.stride(), value.storage_offset()))
 
 
@@ -305,8 +320,55 @@ def _unalias(outputs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> lis
     return outputs
 
 
+def node_state(module: object) -> tuple[tuple[dict[str, Any], str, object], ...]:
+    """The plain attributes (numbers, strings, None) of a module and its submodules, as they are now."""
+    if not isinstance(module, torch.nn.Module):
+        return ()
+    return tuple(
+        (attributes, name, value)
+        for sub in module.modules()
+        for attributes in (vars(sub),)
+        for name, value in attributes.items()
+        if not name.startswith("_") and type(value) in _PLAIN
+    )
+
+
+_PLAIN: Final = (bool, int, float, str, type(None))
+_GONE: Final = object()
+
+
+def _changed(entry: Entry) -> tuple[str, object, object] | None:
+    for attributes, name, value in entry.state:
+        now = attributes.get(name, _GONE)
+        if now is not value and now != value:
+            return name, value, now
+    return None
+
+
+def state_holds(entry: Entry) -> bool:
+    """Whether the node's plain attributes are still those its graphs were traced with."""
+    return _changed(entry) is None
+
+
+def _check_state(entry: Entry) -> None:
+    # The graphs hold what the node's Python read while it was traced: an attribute changed
+    # since (a dropout's p, a flag the forward branches on) would be silently ignored.
+    changed = _changed(entry)
+    if changed is not None:
+        name, value, now = changed
+        msg = (
+            f"Scoped node {entry.name!r} is compiled inside its region (Inductor), traced with its attribute "
+            f"{name!r} = {value!r}, which is now {'deleted' if now is _GONE else repr(now)}. The compiled "
+            "code would ignore the change. Compile the parent again (torch.compiler.reset(), then call it), "
+            "or make the node eager=True (run as eager runs it, its Python at every call)."
+        )
+        raise Fp32ScopeError(msg)
+
+
 def _inner_impl(spec: list[int], values: list[torch.Tensor]) -> list[torch.Tensor]:
     entry = _entries[spec[1]]
+    if entry.state:
+        _check_state(entry)
     with entry.scope:
         out = entry.forward.run(values)
     return _unalias(out, values)
@@ -390,6 +452,8 @@ dynamo_exclude.exclude(
     _fake,
     _unalias,
     _as_layout,
+    _changed,
+    _check_state,
     _Graph.run,
     _Graph._compile,
     graph_break=False,

@@ -102,9 +102,13 @@ class Fp32ScopedModule(_ProxyBase):
     True) a parent compiled as a whole holds the proxy's call as one in-graph region of its
     graph (no graph break, ``fullgraph=True`` compiles): the node runs at run time inside
     its scope, forward and backward, and the rest of the parent at the process default (see
-    the compiled guide). With ``in_graph=False`` the parent graph-breaks at the proxy, and
-    the wrapped module, whatever its class (``torch.nn`` built-ins included), is compiled as
-    a graph of its own by the parent's backend, inside the scope, once.
+    the compiled guide). Where the parent's graph goes to Inductor the node is compiled by
+    Inductor inside the region, in its precision; with another backend, and where its code
+    cannot be held exactly (hooks, buffers it updates, outputs that are views of its
+    inputs, nested scoped nodes, caches), it runs eagerly inside it. With ``in_graph=False``
+    the parent graph-breaks at the proxy, and the wrapped module, whatever its class
+    (``torch.nn`` built-ins included), is compiled as a graph of its own by the parent's
+    backend, inside the scope, once.
     ``torch.compile(proxy)`` compiles the module inside the scope that way, whatever
     ``in_graph`` says. A module compiled already (``torch.compile(module)``) is called as
     it is, never compiled again.

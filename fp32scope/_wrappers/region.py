@@ -1045,6 +1045,8 @@ def _inner_entry(  # noqa: PLR0913  (a traced call's state, kept together)
 
     ``values`` are the op's inputs: the call's ``n_tensors`` tensors, the node's parameters, its buffers.
     """
+    if not all(inner.is_static(t) for t in values):  # dynamic shapes: its graphs are traced for fixed sizes
+        return None
     grad_mask = sum(1 << i for i, t in enumerate(values) if grad and t.requires_grad)
     key = (
         layout,
@@ -1054,7 +1056,10 @@ def _inner_entry(  # noqa: PLR0913  (a traced call's state, kept together)
         tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in values),
     )
     if key in region.inner:
-        return region.inner[key]
+        found = region.inner[key]
+        if found is None or inner.state_holds(found):
+            return found
+        # Traced again after the node's attributes changed (torch.compiler.reset()): anew.
     entry = None
     if not _has_hooks(region.module):
         n_params, n_buffers = region.counts()
@@ -1076,9 +1081,16 @@ def _inner_entry(  # noqa: PLR0913  (a traced call's state, kept together)
         compiling = COMPILER_STATE[COMPILING_FLAG]
         COMPILER_STATE[COMPILING_FLAG] = True
         try:
-            entry = inner.build(node, values, grad_mask, region.scope, Fp32ScopeError)
+            state = inner.node_state(region.module)
+            entry = inner.build(node, values, grad_mask, region.scope)
         finally:
             COMPILER_STATE[COMPILING_FLAG] = compiling
+        traced = inner.node_state(region.module)
+        if entry is not None and [v for *_, v in traced] != [v for *_, v in state]:
+            entry = None  # its forward changes its own attributes (a counter): its Python must run each call
+        if entry is not None:
+            entry.state = traced
+            entry.name = region.name
     region.inner[key] = entry
     return entry
 

@@ -1,9 +1,9 @@
 """Hand-made mutants of the in-graph region code, and whether the region tests kill each.
 
-mutmut cannot mutate ``_wrappers/region.py`` and ``_wrappers/carriers.py`` usefully: their
-tests compile, and Dynamo cannot trace mutmut's trampolines. So each mutant here is one
-edit a plausible wrong implementation would make (a copy left out, a scope not entered, a
-write-back skipped), named with what it breaks. ``nox -s mutation-regions`` (or ``python
+mutmut cannot mutate ``_wrappers/region.py``, ``_wrappers/carriers.py`` and
+``_wrappers/inner.py`` usefully: their tests compile, and Dynamo cannot trace mutmut's
+trampolines. So each mutant here is one edit a plausible wrong implementation would make (a
+copy left out, a scope not entered, a write-back skipped), named with what it breaks. ``nox -s mutation-regions`` (or ``python
 tests/_support/region_mutants.py`` from the repository root) copies the repository to a
 temporary folder, applies one mutant at a time there, runs ``TESTS`` against it (stopping
 at the first failure), prints each mutant's fate and the score, and exits non-zero when the
@@ -34,9 +34,12 @@ TESTS = (
     "tests/compile/test_region_attention.py",
     "tests/compile/test_region_caches.py",
     "tests/compile/test_eager_nodes.py",
+    "tests/compile/test_inner.py",
 )
 REGION = "fp32scope/_wrappers/region.py"
 CARRIERS = "fp32scope/_wrappers/carriers.py"
+INNER = "fp32scope/_wrappers/inner.py"
+PROXY = "fp32scope/_wrappers/proxy.py"
 
 
 class Mutant(NamedTuple):
@@ -222,6 +225,60 @@ MUTANTS: tuple[Mutant, ...] = (
         CARRIERS,
         "        if value is not None or field in _ALWAYS:",
         "        if True:",
+    ),
+    Mutant(
+        "a compiled-inside node's forward runs outside its scope",
+        INNER,
+        "    with entry.scope:\n        out = entry.forward.run(values)",
+        "    if entry.scope:\n        out = entry.forward.run(values)",
+    ),
+    Mutant(
+        "a compiled-inside node's backward runs outside its scope",
+        INNER,
+        "    with entry.scope:\n        out = backward.run(values)",
+        "    if entry.scope:\n        out = backward.run(values)",
+    ),
+    Mutant(
+        "a changed attribute of a compiled-inside node is ignored",
+        INNER,
+        "    if entry.state:\n        _check_state(entry)",
+        "    if False:\n        _check_state(entry)",
+    ),
+    Mutant(
+        "a node with hooks is compiled inside (its hooks run only when traced)",
+        REGION,
+        "    if not _has_hooks(region.module):",
+        "    if True:",
+    ),
+    Mutant(
+        "a node changing its own attributes is compiled inside",
+        REGION,
+        "        if entry is not None and [v for *_, v in traced] != [v for *_, v in state]:",
+        "        if False:",
+    ),
+    Mutant(
+        "compiled graphs get inputs laid out other than they were compiled for",
+        INNER,
+        "    if layout is None or value.stride() == layout[1]:",
+        "    if True:",
+    ),
+    Mutant(
+        "a compiled-inside op's outputs may alias its inputs",
+        INNER,
+        "        if storage in seen:\n            outputs[i] = o.clone()",
+        "        if False:\n            outputs[i] = o.clone()",
+    ),
+    Mutant(
+        "compiled-inside entry numbers alike in every process",
+        INNER,
+        "self.number = _PROCESS | next(_numbers)",
+        "self.number = next(_numbers)",
+    ),
+    Mutant(
+        "eager nodes are compiled inside",
+        PROXY,
+        "Region(module, self._self_autocast, label, compiled=not eager) if in_graph else None",
+        "Region(module, self._self_autocast, label, compiled=True) if in_graph else None",
     ),
 )
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from fp32scope import Fp32Precision, Fp32ScopedModule, current_fp32_precision, set_process_default
+from fp32scope import Fp32Precision, Fp32ScopedModule, Fp32ScopeError, current_fp32_precision, set_process_default
 from tests._support import probe as _probe
 from tests._support.common import DEFAULT, FULL
 from tests._support.compiled import forbid_recompiles, python_frames
@@ -254,3 +254,97 @@ def test_a_node_returning_a_view_of_its_input_runs_eagerly_with_eagers_results()
     assert frames == [1]
     close(got, model(x))
     close(grad, x.grad)
+
+
+class Scaled(torch.nn.Module):
+    """Multiplies by a plain attribute its forward reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.scale = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.linear(x) * self.scale
+        return out
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["training", "no_grad"])
+def test_an_attribute_changed_after_the_node_was_compiled_inside_is_an_error_not_ignored(train: bool) -> None:
+    set_process_default(DEFAULT)
+    model = Parent(Scaled(), FULL)
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    _step(compiled, x, train=train)
+    _bare(model).scale = 3.0
+    with pytest.raises(Fp32ScopeError, match=r"'scale' = 2\.0, which is now 3\.0.*torch\.compiler\.reset"):
+        _step(compiled, x, train=train)
+    assert current_fp32_precision() == DEFAULT
+    torch.compiler.reset()  # as the message says: compiled again, with the new value
+    out, _ = _step(compiled, x, train=train)
+    expected, _ = _step(_eager_twin(model), x, train=train)
+    close(out, expected)
+
+
+class Counting(Node):
+    """A node whose forward counts its calls on itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+
+def test_a_node_whose_forward_changes_its_own_attributes_runs_its_python_at_every_call() -> None:
+    model = Parent(Counting(), FULL)
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    _step(compiled, x, train=True)
+    calls = _bare(model).calls
+    with python_frames(Counting.forward.__code__) as frames:
+        _step(compiled, x, train=True)
+    assert frames == [1]
+    assert _bare(model).calls == calls + 1
+
+
+def test_a_node_called_with_tensors_of_dynamic_shape_runs_eagerly_in_its_op() -> None:
+    set_process_default(DEFAULT)
+    model = Parent(Node(), FULL)
+    twin = _eager_twin(model)
+    compiled = torch.compile(model, backend="inductor", fullgraph=True, dynamic=True)
+    for rows in (4, 6, 6):
+        x = torch.randn(rows, WIDTH)
+        with python_frames(Node.forward.__code__) as frames:
+            out, grads = _step(compiled, x, train=True)
+        expected, expected_grads = _step(twin, x, train=True)
+        close(out, expected)
+        for grad, want in zip(grads, expected_grads, strict=True):
+            close(grad, want)
+        if rows == 6 and frames != [1]:  # (4 compiles; the first 6 may too, where 2.4 specializes)
+            assert frames[0] > 1
+    assert frames == [1]  # warm: the node's own forward, once per call
+    assert phases("fwd")["node"][-1] == FULL
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["training", "no_grad"])
+def test_inductor_generates_a_compiled_inside_node_code_in_the_node_precision(train: bool) -> None:
+    # Inductor chooses some precision while it generates code (Triton's TF32 switches, the
+    # CPU's packed bf16 linear): read the precision where its post-grad passes run.
+    import torch._inductor.config
+
+    seen: list[tuple[bool, Fp32Precision]] = []
+
+    def record(graph: torch.fx.Graph) -> None:
+        holds_region = any(str(node.target).startswith("fp32scope.inner") for node in graph.nodes)
+        seen.append((holds_region, current_fp32_precision()))
+
+    set_process_default(DEFAULT)
+    model = Parent(Node(), FULL)
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record, fx_graph_cache=False):
+        _step(compiled, torch.randn(4, WIDTH), train=train)
+    graphs = 2 if train else 1  # the parent's, and the node's: forward (and backward)
+    assert sorted(seen, key=lambda item: item[0]) == [(False, FULL)] * graphs + [(True, DEFAULT)] * graphs
