@@ -3,8 +3,9 @@
 mutmut cannot mutate ``_wrappers/region.py``, ``_wrappers/carriers.py`` and
 ``_wrappers/inner.py`` usefully: their tests compile, and Dynamo cannot trace mutmut's
 trampolines. So each mutant here is one edit a plausible wrong implementation would make (a
-copy left out, a scope not entered, a write-back skipped), named with what it breaks. ``nox -s mutation-regions`` (or ``python
-tests/_support/region_mutants.py`` from the repository root) copies the repository to a
+copy left out, a scope not entered, a write-back skipped), named with what it breaks.
+``nox -s mutation-regions`` (or ``python tests/_support/region_mutants.py`` from the
+repository root) copies the repository to a
 temporary folder, applies one mutant at a time there, runs ``TESTS`` against it (stopping
 at the first failure), prints each mutant's fate and the score, and exits non-zero when the
 score is under ``TARGET`` or a mutant's text is no longer in its file (the list must follow
