@@ -89,6 +89,7 @@ class _Graph:
         ]
 
     def _compile(self) -> Callable[[list[Any]], Sequence[Any]]:
+        import torch._inductor.config
         from torch._inductor.compile_fx import compile_fx_inner
 
         with self.lock:
@@ -96,7 +97,8 @@ class _Graph:
                 kwargs: dict[str, Any] = {"is_backward": self.is_backward}
                 if self.is_inference:
                     kwargs["is_inference"] = True
-                with torch._guards.tracing(None):  # no parent's context
+                # No size assertions on its inputs: run() lays them out as compiled for.
+                with torch._guards.tracing(None), torch._inductor.config.patch(size_asserts=False):
                     self.compiled = cast(
                         "Callable[[list[Any]], Sequence[Any]]", compile_fx_inner(self.gm, self.example, **kwargs)
                     )
