@@ -182,6 +182,7 @@ def build(
     """
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -205,6 +206,9 @@ def build(
             o.output_type != OutputType.non_alias for o in meta.output_info
         ):
             return None
+        # Inductor's own passes over a joint (or inference) graph, as its compile_fx runs
+        # them: random ops become its seeded ones, patterns its fused forms.
+        joint_graph_passes(graph)
         n_out = len(meta.output_info)
         if not grad_mask:
             return Entry(scope, _Graph(graph, is_inference=True), n_out=n_out)

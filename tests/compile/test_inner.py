@@ -9,7 +9,7 @@ code. Results are compared with the same scoped model run eagerly.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -348,3 +348,38 @@ def test_inductor_generates_a_compiled_inside_node_code_in_the_node_precision(tr
         _step(compiled, torch.randn(4, WIDTH), train=train)
     graphs = 2 if train else 1  # the parent's, and the node's: forward (and backward)
     assert sorted(seen, key=lambda item: item[0]) == [(False, FULL)] * graphs + [(True, DEFAULT)] * graphs
+
+
+class Dropped(torch.nn.Module):
+    """Dropout, then a per-feature weight: the weight's gradient reads the forward's mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(WIDTH) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.nn.functional.dropout(x, 0.5, training=self.training) * self.weight
+        return out
+
+
+def test_a_compiled_inside_node_drawing_random_numbers_draws_anew_each_call_and_its_backward_uses_its_mask() -> None:
+    class Caller(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.node = Fp32ScopedModule(Dropped(), FULL)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.node(x), self.node(x)  # two calls on one input: two draws
+
+    model = Caller()
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    x = torch.ones(64, WIDTH)
+    compiled(x)
+    weight = _bare(cast("Parent", model)).weight
+    with python_frames(Dropped.forward.__code__) as frames:
+        first, second = compiled(x)
+    assert frames == [0]
+    assert not torch.equal(first == 0, second == 0)  # each call its own mask
+    first.sum().backward()
+    # d(sum(mask * x / 0.5 * w)) / dw = sum over rows of (mask * x / 0.5) = sum(first / w)
+    torch.testing.assert_close(weight.grad, (first / weight).sum(0).detach())
