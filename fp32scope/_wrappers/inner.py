@@ -24,6 +24,7 @@ its own (a nested scoped node), or where the trace fails: :func:`build` returns 
 from __future__ import annotations
 
 import itertools
+import operator
 import secrets
 import threading
 import weakref
@@ -236,6 +237,8 @@ def build(
 
 def _is_view(node: Any) -> bool:
     target = node.target
+    if node.op == "call_function" and target is operator.getitem:  # one of a split's views
+        return isinstance(node.args[0], torch.fx.Node) and _is_view(node.args[0])
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return False
     returns = target._schema.returns
@@ -316,11 +319,12 @@ _lib.define("inner_bwd(int[] spec, Tensor[] values) -> Tensor[]")  # type: ignor
 def _unalias(outputs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     # An op's output may alias neither its inputs nor another output (AOTAutograd and
     # Inductor assume it): a compiled graph hands back an input, or one buffer as two views.
+    # The copy keeps the output's layout (strides, gaps), which the op's fake kernel declared.
     seen = {t.untyped_storage()._cdata for t in inputs}
     for i, o in enumerate(outputs):
         storage = o.untyped_storage()._cdata
         if storage in seen:
-            outputs[i] = o.clone()
+            outputs[i] = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(o)
         else:
             seen.add(storage)
     return outputs

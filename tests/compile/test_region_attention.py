@@ -12,6 +12,7 @@ forward and backward.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch._dynamo.utils import counters
 from fp32scope import current_fp32_precision, scope_modules, set_process_default
 from tests._support import probe as _probe
 from tests._support.common import DEFAULT, FULL
+from tests._support.compiled import python_frames
 from tests._support.hf import ATTENTIONS, probe_attentions
 from tests._support.probe import phases
 
@@ -79,6 +81,40 @@ def test_attentions_as_regions_train_as_their_eager_scoped_twin(name: str) -> No
             _skip_where_torch_fails_without_fp32scope(build, error)
         assert phases("fwd")["attention"] == [FULL] * 2  # each layer's attention, in its precision
         assert phases("bwd")["attention"] == [FULL] * 2
+        assert current_fp32_precision() == DEFAULT
+        expected = _loss(twin(input_ids=ids, use_cache=False).logits, ids)
+        torch.autograd.backward(expected)
+        torch.testing.assert_close(loss, expected)
+        for (pname, got), want in zip(model.named_parameters(), twin.parameters(), strict=True):
+            assert (got.grad is None) == (want.grad is None), pname
+            if got.grad is not None:
+                torch.testing.assert_close(got.grad, want.grad, msg=f"{pname}.grad, step {step}")
+    assert sum(counters["graph_break"].values()) == 0
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_attentions_compiled_inside_their_regions_train_as_their_eager_scoped_twin(name: str) -> None:
+    # Without hooks each attention is compiled by Inductor inside its region: no Python frame
+    # of its forward runs once warm (tests/compile/test_inner.py reads the precision inside
+    # such nodes with probes, forward and backward, and where Inductor generates their code).
+    build, pattern = ATTENTIONS[name]
+    set_process_default(DEFAULT)
+    model = build()
+    attention = type(next(m for n, m in model.named_modules() if re.fullmatch(pattern.removeprefix("re:"), n)))
+    twin = copy.deepcopy(model)
+    scope_modules(model, {pattern: KEPT}, in_graph=True)
+    scope_modules(twin, {pattern: KEPT})
+    compiled: Callable[..., Any] = torch.compile(model, fullgraph=True)
+    vocab = model.config.vocab_size
+    for step in range(2):
+        ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(step))
+        for m in (model, twin):
+            m.zero_grad(set_to_none=True)
+        with python_frames(attention.forward.__code__) as frames:
+            loss = _loss(compiled(input_ids=ids, use_cache=False).logits, ids)
+            torch.autograd.backward(loss)
+        if step:
+            assert frames == [0]  # warm: each attention ran as Inductor's code
         assert current_fp32_precision() == DEFAULT
         expected = _loss(twin(input_ids=ids, use_cache=False).logits, ids)
         torch.autograd.backward(expected)
