@@ -7,11 +7,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import hypothesis
 import pytest
 
 from fp32scope._flags import scope as _scope
 from fp32scope._flags import torch_flags as _flags
 from tests._support.releases import TORCH_RELEASE
+
+# The suite runs on two xdist workers beside Inductor's compiles: how fast Hypothesis draws
+# an input, or how long one example takes, says nothing about fp32scope (a draw of a few
+# milliseconds once took a second, failing the too_slow health check). A test that needs
+# its own settings still sets them with @settings. The profile builds on the one loaded
+# already (the mutation plugin's, where it runs).
+hypothesis.settings.register_profile(
+    "fp32scope", hypothesis.settings(), suppress_health_check=[hypothesis.HealthCheck.too_slow], deadline=None
+)
+hypothesis.settings.load_profile("fp32scope")
 
 
 def pytest_report_header() -> str:

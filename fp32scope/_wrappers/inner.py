@@ -113,8 +113,9 @@ def _layout(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
 
 
 def _as_layout(value: torch.Tensor, layout: tuple[tuple[int, ...], tuple[int, ...]] | None) -> torch.Tensor:
-    # The compiled graph assumes the strides it was compiled for (Inductor asserts them on
-    # its inputs); an incoming gradient may be an expanded one, an output laid out otherwise.
+    # The compiled graph assumes the strides it was compiled for (compiled without its size
+    # assertions, see _compile): an incoming gradient may be an expanded one, an output of
+    # the compiled code laid out otherwise than the op's fake kernel declared.
     if layout is None or value.stride() == layout[1]:
         return value
     out = torch.empty_strided(layout[0], layout[1], dtype=value.dtype, device=value.device)
