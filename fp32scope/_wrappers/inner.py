@@ -204,8 +204,11 @@ def build(
             return None
         from torch._functorch._aot_autograd.schemas import OutputType
 
+        # Outputs AOTAutograd hands back as the graph returns them (a new tensor, or one made
+        # by _unsafe_view of an intermediate); any other kind it rebuilds outside the graph.
+        plain = {getattr(OutputType, n, None) for n in ("non_alias", "unsafe_view_alias", "custom_function_view")}
         if any(i.mutates_data or i.mutates_metadata for i in meta.input_info) or any(
-            o.output_type != OutputType.non_alias for o in meta.output_info
+            o.output_type not in plain for o in meta.output_info
         ):
             return None
         # Inductor's own passes over a joint (or inference) graph, as its compile_fx runs
