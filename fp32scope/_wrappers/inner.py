@@ -23,12 +23,13 @@ its own (a nested scoped node), or where the trace fails: :func:`build` returns 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final, cast
 
 import torch
@@ -188,7 +189,7 @@ def build(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes(), torch._guards.tracing(None):
+    with _disable_current_modes(), torch._guards.tracing(None), _own_node_meta():
         mode = FakeTensorMode()
         with mode:
             fakes = [
@@ -237,6 +238,20 @@ def build(
             grads=grads,
             sources=sources,
         )
+
+
+@contextlib.contextmanager
+def _own_node_meta() -> Iterator[None]:
+    # The node's graphs take none of the meta of the parent's node being traced: inside a
+    # checkpointed region that meta says "recompute", which would make every node of them
+    # one the partition must recompute (it then finds no cut).
+    traceback = torch.fx.traceback
+    saved = (traceback.current_meta, traceback.should_preserve_node_meta)
+    traceback.current_meta, traceback.should_preserve_node_meta = {}, False
+    try:
+        yield
+    finally:
+        traceback.current_meta, traceback.should_preserve_node_meta = saved
 
 
 def _is_view(node: Any) -> bool:
