@@ -343,10 +343,11 @@ def test_checkpointing_around_a_region_recomputes_it_in_its_precision(backend: s
         _close(got, want, backend)
 
 
-def test_a_compiled_model_with_regions_serves_from_another_thread_without_recompiling() -> None:
+@BACKENDS
+def test_a_compiled_model_with_regions_serves_from_another_thread_without_recompiling(backend: str) -> None:
     set_process_default(DEFAULT)
     model = Stack(FULL, in_graph=True)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     x = torch.randn(4, WIDTH)
     with torch.no_grad():
         warm = compiled(x)
