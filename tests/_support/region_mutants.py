@@ -266,8 +266,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "a compiled-inside op's outputs may alias its inputs",
         INNER,
-        "        if storage in seen:\n            outputs[i] = o.clone()",
-        "        if False:\n            outputs[i] = o.clone()",
+        "        if storage in seen:\n            outputs[i] = torch.empty_strided(",
+        "        if False:\n            outputs[i] = torch.empty_strided(",
     ),
     Mutant(
         "compiled-inside entry numbers alike in every process",
