@@ -289,6 +289,11 @@ EQUIVALENT: dict[str, str] = {
         "the run on fake tensors refuses such a tensor first, with the same message: Dynamo's fake "
         "mode takes no real tensor, so no compile reaches this second check"
     ),
+    "compiled graphs get inputs laid out other than they were compiled for": (
+        "Inductor hands a custom op's inputs in the strides its fake run saw (its layout constraint "
+        "for custom ops; an expanded gradient arrives materialized), so every input of the op is "
+        "already in the layout its graph was compiled for; the copy guards another configured constraint"
+    ),
 }
 
 
