@@ -57,6 +57,17 @@ def _skip_where_torch_fails_without_fp32scope(build: Callable[[], Any], error: E
     raise error
 
 
+def _compare_with_twin(loss: torch.Tensor, model: Any, twin: Any, ids: torch.Tensor, step: int) -> None:
+    """The eager scoped twin's step on the same ids: the same loss and every gradient."""
+    expected = _loss(twin(input_ids=ids, use_cache=False).logits, ids)
+    torch.autograd.backward(expected)
+    torch.testing.assert_close(loss, expected)
+    for (pname, got), want in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert (got.grad is None) == (want.grad is None), pname
+        if got.grad is not None:
+            torch.testing.assert_close(got.grad, want.grad, msg=f"{pname}.grad, step {step}")
+
+
 @pytest.mark.parametrize("name", list(ATTENTIONS))
 def test_attentions_as_regions_train_as_their_eager_scoped_twin(name: str) -> None:
     build, pattern = ATTENTIONS[name]
@@ -82,13 +93,7 @@ def test_attentions_as_regions_train_as_their_eager_scoped_twin(name: str) -> No
         assert phases("fwd")["attention"] == [FULL] * 2  # each layer's attention, in its precision
         assert phases("bwd")["attention"] == [FULL] * 2
         assert current_fp32_precision() == DEFAULT
-        expected = _loss(twin(input_ids=ids, use_cache=False).logits, ids)
-        torch.autograd.backward(expected)
-        torch.testing.assert_close(loss, expected)
-        for (pname, got), want in zip(model.named_parameters(), twin.parameters(), strict=True):
-            assert (got.grad is None) == (want.grad is None), pname
-            if got.grad is not None:
-                torch.testing.assert_close(got.grad, want.grad, msg=f"{pname}.grad, step {step}")
+        _compare_with_twin(loss, model, twin, ids, step)
     assert sum(counters["graph_break"].values()) == 0
 
 
@@ -116,11 +121,5 @@ def test_attentions_compiled_inside_their_regions_train_as_their_eager_scoped_tw
         if step:
             assert frames == [0]  # warm: each attention ran as Inductor's code
         assert current_fp32_precision() == DEFAULT
-        expected = _loss(twin(input_ids=ids, use_cache=False).logits, ids)
-        torch.autograd.backward(expected)
-        torch.testing.assert_close(loss, expected)
-        for (pname, got), want in zip(model.named_parameters(), twin.parameters(), strict=True):
-            assert (got.grad is None) == (want.grad is None), pname
-            if got.grad is not None:
-                torch.testing.assert_close(got.grad, want.grad, msg=f"{pname}.grad, step {step}")
+        _compare_with_twin(loss, model, twin, ids, step)
     assert sum(counters["graph_break"].values()) == 0
