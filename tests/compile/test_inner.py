@@ -387,3 +387,21 @@ def test_a_compiled_inside_node_drawing_random_numbers_draws_anew_each_call_and_
     first.sum().backward()
     # d(sum(mask * x / 0.5 * w)) / dw = sum over rows of (mask * x / 0.5) = sum(first / w)
     torch.testing.assert_close(weight.grad, (first / weight).sum(0).detach())
+
+
+def test_a_compiled_inside_node_backward_takes_its_inputs_themselves_not_copies_of_their_views() -> None:
+    # A Linear's backward reads its input and its weight (transposed twice): leaving the
+    # forward op as outputs, each would be a copy at every step. The backward takes the op's
+    # inputs themselves and replays the views.
+    from fp32scope._wrappers import inner
+
+    model = Parent(Node(), FULL)
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    _step(compiled, torch.randn(4, WIDTH), train=True)
+    region = model.node._self_region
+    assert region is not None
+    (entry,) = [e for e in region.inner.values() if e is not None]
+    outputs = list(next(n for n in reversed(entry.forward.gm.graph.nodes) if n.op == "output").args[0])
+    assert not any(node.op == "placeholder" or inner._is_view(node) for node in outputs)
+    taken = {index for kind, index in entry.sources if kind == 0}
+    assert taken >= {0, 1, 3}  # the input, and both weights (the op's inputs: x, w1, b1, w2, b2)
