@@ -41,6 +41,7 @@ __all__ = [
     "cpu_capability",
     "dtensor_type",
     "export_node_graph",
+    "graph_callable",
     "fsdp2_param_dtype",
     "is_dynamo_compiling",
     "is_exporting",
@@ -311,3 +312,14 @@ def export_node_graph(fn: Callable[..., Any], args: tuple[Any, ...], decompositi
     else:
         graph, meta, *_ = _aot_export_function(fn, args, decompositions=decompositions)
     return graph, meta
+
+
+def graph_callable(compiled: Any) -> Callable[[list[Any]], Any]:
+    """The generated code of an Inductor graph (``compile_fx_inner``'s result) once it has run.
+
+    Every release from 2.4 keeps it as the graph's ``current_callable``, which its
+    ``__call__`` calls after bookkeeping of its own (metrics, profiler labels, autotune
+    caches written at the first call); an object without one is called as it is.
+    """
+    fn = getattr(compiled, "current_callable", None)
+    return fn if callable(fn) else compiled  # type: ignore[no-any-return]

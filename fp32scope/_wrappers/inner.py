@@ -34,7 +34,7 @@ from typing import Any, Final, cast
 
 import torch
 
-from fp32scope._compat import export_node_graph
+from fp32scope._compat import export_node_graph, graph_callable
 from fp32scope._errors import Fp32ScopeError
 from fp32scope._flags import dynamo_exclude
 
@@ -46,7 +46,9 @@ _numbers = itertools.count(1)
 # AOTAutograd's caches on disk serve a graph to another process, where the same number would
 # name another node's graphs.
 _PROCESS: Final = secrets.randbits(24) << 32
-_entries: weakref.WeakValueDictionary[int, Entry] = weakref.WeakValueDictionary()
+# Each live entry by number, read by the ops at every call: a plain dict of weak references
+# (a WeakValueDictionary's lookup is Python code), each removing itself with its entry.
+_entries: dict[int, weakref.ReferenceType[Entry]] = {}
 _INDUCTOR_FILE: Final = "_inductor/compile_fx.py"
 
 
@@ -65,7 +67,20 @@ def wants_inductor() -> bool:
 class _Graph:
     """One of an entry's graphs, compiled on its first run inside the node's scope."""
 
-    __slots__ = ("compiled", "example", "gm", "inputs", "is_backward", "is_inference", "lock", "outputs")
+    __slots__ = (
+        "compiled",
+        "copies",
+        "example",
+        "fast",
+        "gm",
+        "inputs",
+        "is_backward",
+        "is_inference",
+        "lock",
+        "outputs",
+        "relayout",
+        "strides",
+    )
 
     def __init__(self, gm: torch.fx.GraphModule, *, is_backward: bool = False, is_inference: bool = False) -> None:
         self.gm = gm
@@ -76,19 +91,53 @@ class _Graph:
         # The layouts it is compiled for: inputs and outputs are made to match at run time.
         self.inputs = [_layout(v) for v in self.example]
         self.outputs = [None if v is None else _layout(v.meta["val"]) for v in _output_nodes(gm)]
+        self.strides = [None if layout is None else layout[1] for layout in self.inputs]
         self.compiled: Callable[[list[Any]], Sequence[Any]] | None = None
         self.lock = threading.Lock()
+        # Set by the first run: the compiled code to call from then on, and the outputs it
+        # lays out otherwise than declared or hands back aliasing an input or another
+        # output. Both are properties of the generated code, the same at every call.
+        self.fast: Callable[[list[Any]], Sequence[Any]] | None = None
+        self.relayout: tuple[int, ...] = ()
+        self.copies: tuple[int, ...] = ()
 
     def run(self, values: list[torch.Tensor]) -> list[Any]:
-        compiled = self.compiled
-        if compiled is None:
-            compiled = self._compile()
+        """The graph's outputs for ``values``, laid out as declared, none aliasing an input or another output."""
+        fast = self.fast
+        if fast is None:
+            return self._first_run(values)
+        if [v.stride() for v in values] == self.strides:
+            out = list(fast(list(values)))  # the compiled code empties the list it is given
+        else:
+            out = list(fast([_as_layout(v, layout) for v, layout in zip(values, self.inputs, strict=True)]))
+        outputs = self.outputs
+        for i in self.relayout:
+            out[i] = _as_layout(out[i], outputs[i])
+        for i in self.copies:
+            o = out[i]
+            out[i] = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(o)
+        return out
+
+    def _first_run(self, values: list[torch.Tensor]) -> list[Any]:
+        compiled = self.compiled if self.compiled is not None else self._compile()
         args = [_as_layout(v, layout) for v, layout in zip(values, self.inputs, strict=True)]
-        out = compiled(args)
-        return [
-            o if layout is None or o is None else _as_layout(o, layout)
-            for o, layout in zip(out, self.outputs, strict=True)
-        ]
+        given = [*values, *args]  # an output aliasing either would alias the input at a later call
+        out = list(compiled(args))
+        relayout = tuple(
+            i
+            for i, (o, layout) in enumerate(zip(out, self.outputs, strict=True))
+            if o is not None and layout is not None and o.stride() != layout[1]
+        )
+        for i in relayout:
+            out[i] = _as_layout(out[i], self.outputs[i])
+        copies = _aliased(out, given)
+        for i in copies:
+            o = out[i]
+            out[i] = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(o)
+        with self.lock:
+            self.relayout, self.copies = relayout, copies
+            self.fast = graph_callable(compiled)
+        return out
 
     def _compile(self) -> Callable[[list[Any]], Sequence[Any]]:
         import torch._inductor.config
@@ -124,6 +173,23 @@ def _as_layout(value: torch.Tensor, layout: tuple[tuple[int, ...], tuple[int, ..
     return out
 
 
+def _aliased(outputs: list[Any], inputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    # An op's output may alias neither its inputs nor another output (AOTAutograd and
+    # Inductor assume it): a compiled graph hands back an input, or one buffer as two views.
+    # Copies of these keep their layout (strides, gaps), which the op's fake kernel declared.
+    seen = {t.untyped_storage()._cdata for t in inputs}
+    found = []
+    for i, o in enumerate(outputs):
+        if o is None:
+            continue
+        storage = o.untyped_storage()._cdata
+        if storage in seen:
+            found.append(i)
+        else:
+            seen.add(storage)
+    return tuple(found)
+
+
 def _output_nodes(gm: torch.fx.GraphModule) -> list[Any]:
     return list(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0])
 
@@ -143,6 +209,8 @@ class Entry:
         "sources",
         "state",
         "tangents",
+        "traced",
+        "watched",
     )
 
     def __init__(  # noqa: PLR0913  (what the trace found, kept together)
@@ -164,10 +232,36 @@ class Entry:
         self.tangents = tangents  # the outputs a gradient flows back from, by position
         self.grads = grads  # per input: whether the backward graph returns its gradient
         self.sources = sources  # what the backward takes first: (0, input) or (1, forward output)
-        # The node's plain attributes the graphs were traced with (see check_state), and its name.
+        # The node's plain attributes the graphs were traced with (see hold), and its name.
         self.state: tuple[tuple[dict[str, Any], str, object], ...] = ()
+        self.watched: list[tuple[dict[str, Any], str]] = []
+        self.traced: list[object] = []
         self.name = ""
-        _entries[self.number] = self
+        _entries[self.number] = weakref.ref(self, _forget(self.number))
+
+    def hold(self, state: tuple[tuple[dict[str, Any], str, object], ...], name: str) -> None:
+        """Note the node's name and the plain attributes (:func:`node_state`) its graphs were traced with."""
+        self.state = state
+        self.watched = [(attributes, key) for attributes, key, _ in state]
+        self.traced = [value for *_, value in state]
+        self.name = name
+
+
+def _forget(number: int) -> Callable[[object], None]:
+    return lambda _: _entries.pop(number, None)
+
+
+def _entry(number: int) -> Entry:
+    # An op of a compiled graph that outlived its node (the module freed, the graph kept).
+    ref = _entries.get(number)
+    entry = None if ref is None else ref()
+    if entry is None:
+        msg = (
+            f"fp32scope: compiled-inside region entry {number} is gone: the scoped node it was traced from was "
+            "freed while a compiled graph calling it was kept. Compile the parent again (torch.compiler.reset())."
+        )
+        raise Fp32ScopeError(msg)
+    return entry
 
 
 def build(
@@ -328,25 +422,11 @@ def is_static(value: torch.Tensor) -> bool:
 
 # -- the ops ------------------------------------------------------------------------------
 
-# ``spec`` is [site, entry]: the site keeps two calls of one node apart (a node drawing
-# random numbers gives two results), the entry names the graphs.
-_lib.define("inner(int[] spec, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
-_lib.define("inner_fwd(int[] spec, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
-_lib.define("inner_bwd(int[] spec, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
-
-
-def _unalias(outputs: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    # An op's output may alias neither its inputs nor another output (AOTAutograd and
-    # Inductor assume it): a compiled graph hands back an input, or one buffer as two views.
-    # The copy keeps the output's layout (strides, gaps), which the op's fake kernel declared.
-    seen = {t.untyped_storage()._cdata for t in inputs}
-    for i, o in enumerate(outputs):
-        storage = o.untyped_storage()._cdata
-        if storage in seen:
-            outputs[i] = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(o)
-        else:
-            seen.add(storage)
-    return outputs
+# ``site`` keeps two calls of one node apart (a node drawing random numbers gives two
+# results), ``entry`` names the graphs.
+_lib.define("inner(int site, int entry, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
+_lib.define("inner_fwd(int site, int entry, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
+_lib.define("inner_bwd(int site, int entry, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
 
 
 def node_state(module: object) -> tuple[tuple[dict[str, Any], str, object], ...]:
@@ -366,25 +446,19 @@ _PLAIN: Final = (bool, int, float, str, type(None))
 _GONE: Final = object()
 
 
-def _changed(entry: Entry) -> tuple[str, object, object] | None:
-    for attributes, name, value in entry.state:
-        now = attributes.get(name, _GONE)
-        if now is not value and now != value:
-            return name, value, now
-    return None
-
-
 def state_holds(entry: Entry) -> bool:
     """Whether the node's plain attributes are still those its graphs were traced with."""
-    return _changed(entry) is None
+    # One list comparison (identity first, then ==), at every call of the op.
+    return [attributes.get(name, _GONE) for attributes, name in entry.watched] == entry.traced
 
 
 def _check_state(entry: Entry) -> None:
     # The graphs hold what the node's Python read while it was traced: an attribute changed
     # since (a dropout's p, a flag the forward branches on) would be silently ignored.
-    changed = _changed(entry)
-    if changed is not None:
-        name, value, now = changed
+    for attributes, name, value in entry.state:
+        now = attributes.get(name, _GONE)
+        if now is value or now == value:
+            continue
         msg = (
             f"Scoped node {entry.name!r} is compiled inside its region (Inductor), traced with its attribute "
             f"{name!r} = {value!r}, which is now {'deleted' if now is _GONE else repr(now)}. The compiled "
@@ -394,21 +468,20 @@ def _check_state(entry: Entry) -> None:
         raise Fp32ScopeError(msg)
 
 
-def _inner_impl(spec: list[int], values: list[torch.Tensor]) -> list[torch.Tensor]:
-    entry = _entries[spec[1]]
-    if entry.state:
+def _inner_impl(_site: int, number: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    entry = _entry(number)
+    if not state_holds(entry):
         _check_state(entry)
     with entry.scope:
-        out = entry.forward.run(values)
-    return _unalias(out, values)
+        return entry.forward.run(values)
 
 
-def _inner_bwd_impl(spec: list[int], values: list[torch.Tensor]) -> list[torch.Tensor]:
-    entry = _entries[spec[1]]
+def _inner_bwd_impl(_site: int, number: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    entry = _entry(number)
     backward = cast("_Graph", entry.backward)
     with entry.scope:
         out = backward.run(values)
-    return _unalias([g for g in out if g is not None], values)
+    return [g for g in out if g is not None]
 
 
 def _fake(graph: _Graph, keep: Callable[[Any], bool]) -> list[torch.Tensor]:
@@ -419,12 +492,12 @@ def _fake(graph: _Graph, keep: Callable[[Any], bool]) -> list[torch.Tensor]:
     ]
 
 
-def _inner_fake(spec: list[int], _values: list[torch.Tensor]) -> list[torch.Tensor]:
-    return _fake(_entries[spec[1]].forward, lambda _: True)
+def _inner_fake(_site: int, number: int, _values: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _fake(_entry(number).forward, lambda _: True)
 
 
-def _inner_bwd_fake(spec: list[int], _values: list[torch.Tensor]) -> list[torch.Tensor]:
-    return _fake(cast("_Graph", _entries[spec[1]].backward), lambda node: node is not None)
+def _inner_bwd_fake(_site: int, number: int, _values: list[torch.Tensor]) -> list[torch.Tensor]:
+    return _fake(cast("_Graph", _entry(number).backward), lambda node: node is not None)
 
 
 for _name, _kernel, _fake_kernel in (
@@ -441,9 +514,9 @@ class _InnerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, site: int, number: int, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        entry = _entries[number]
+        entry = _entry(number)
         with torch._C._AutoDispatchBelowADInplaceOrView():
-            out = torch.ops.fp32scope.inner_fwd([site, number], list(values))
+            out = torch.ops.fp32scope.inner_fwd(site, number, list(values))
         outputs = out[: entry.n_out]
         ctx.save_for_backward(*(out[i] if kind else values[i] for kind, i in entry.sources))
         ctx.number = number
@@ -454,20 +527,20 @@ class _InnerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        entry = _entries[ctx.number]
+        entry = _entry(ctx.number)
         saved = list(ctx.saved_tensors)
         tangents = []
         for i in entry.tangents:
             g = grads[i]
             tangents.append(g if g is not None else torch.zeros(entry.forward.outputs[i][0]))  # type: ignore[index]
-        found = iter(torch.ops.fp32scope.inner_bwd([ctx.site, ctx.number], [*saved, *tangents]))
+        found = iter(torch.ops.fp32scope.inner_bwd(ctx.site, ctx.number, [*saved, *tangents]))
         return (None, None, *(next(found) if has else None for has in entry.grads))
 
 
 def apply(entry: Entry, site: int, values: list[torch.Tensor], *, grad: bool) -> list[torch.Tensor]:
     """The entry's op in a graph being traced: its tensor outputs, with their gradient (``grad``)."""
     if not grad:
-        out: list[torch.Tensor] = torch.ops.fp32scope.inner([site, entry.number], values)
+        out: list[torch.Tensor] = torch.ops.fp32scope.inner(site, entry.number, values)
         return out
     fn = cast("Callable[..., tuple[torch.Tensor, ...]]", _InnerFunction.apply)
     return list(fn(site, entry.number, *values))
@@ -479,11 +552,13 @@ dynamo_exclude.exclude(
     _inner_fake,
     _inner_bwd_fake,
     _fake,
-    _unalias,
+    _aliased,
     _as_layout,
-    _changed,
+    _entry,
+    state_holds,
     _check_state,
     _Graph.run,
+    _Graph._first_run,
     _Graph._compile,
     graph_break=False,
 )

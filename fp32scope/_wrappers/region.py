@@ -1089,8 +1089,7 @@ def _inner_entry(  # noqa: PLR0913  (a traced call's state, kept together)
         if entry is not None and [v for *_, v in traced] != [v for *_, v in state]:
             entry = None  # its forward changes its own attributes (a counter): its Python must run each call
         if entry is not None:
-            entry.state = traced
-            entry.name = region.name
+            entry.hold(traced, region.name)
     region.inner[key] = entry
     return entry
 

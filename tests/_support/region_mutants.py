@@ -230,8 +230,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "a compiled-inside node's forward runs outside its scope",
         INNER,
-        "    with entry.scope:\n        out = entry.forward.run(values)",
-        "    if entry.scope:\n        out = entry.forward.run(values)",
+        "    with entry.scope:\n        return entry.forward.run(values)",
+        "    if entry.scope:\n        return entry.forward.run(values)",
     ),
     Mutant(
         "a compiled-inside node's backward runs outside its scope",
@@ -242,7 +242,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "a changed attribute of a compiled-inside node is ignored",
         INNER,
-        "    if entry.state:\n        _check_state(entry)",
+        "    if not state_holds(entry):\n        _check_state(entry)",
         "    if False:\n        _check_state(entry)",
     ),
     Mutant(
@@ -266,8 +266,26 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "a compiled-inside op's outputs may alias its inputs",
         INNER,
-        "        if storage in seen:\n            outputs[i] = torch.empty_strided(",
-        "        if False:\n            outputs[i] = torch.empty_strided(",
+        "        if storage in seen:\n            found.append(i)",
+        "        if False:\n            found.append(i)",
+    ),
+    Mutant(
+        "a compiled-inside op's later calls take inputs laid out otherwise as they come",
+        INNER,
+        "        if [v.stride() for v in values] == self.strides:",
+        "        if True:",
+    ),
+    Mutant(
+        "a compiled-inside op's outputs keep the compiled code's layout",
+        INNER,
+        "            if o is not None and layout is not None and o.stride() != layout[1]",
+        "            if False",
+    ),
+    Mutant(
+        "a compiled-inside op's later calls copy no aliasing output",
+        INNER,
+        "        for i in self.copies:\n            o = out[i]",
+        "        for i in ():\n            o = out[i]",
     ),
     Mutant(
         "compiled-inside entry numbers alike in every process",
