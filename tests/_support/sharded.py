@@ -35,6 +35,7 @@ from fp32scope import (
     with_fp32_precision,
 )
 from fp32scope._flags import torch_flags as _flags
+from fp32scope._wrappers import inner
 from tests._support import probe as probes
 from tests._support.common import DEFAULT, FULL
 from tests._support.probe import probe
@@ -119,10 +120,11 @@ def _scope(module: torch.nn.Module, *, in_graph: bool = False) -> torch.nn.Modul
     return cast("torch.nn.Module", Fp32ScopedModule(module, FULL, name="block", in_graph=in_graph))
 
 
-def _compiled(model: torch.nn.Module) -> torch.nn.Module:
-    # aot_eager: the region's op and the graph around it, with AOTAutograd's backward, and no
-    # C++ build in each of the two processes; Inductor's numerics are tests/compile's subject.
-    return cast("torch.nn.Module", torch.compile(model, backend="aot_eager"))
+def _compiled(model: torch.nn.Module, backend: str = "aot_eager") -> torch.nn.Module:
+    # aot_eager: the region's op and the graph around it, with AOTAutograd's backward (the
+    # node run eagerly inside its op). Inductor: the node compiled inside its op
+    # (fp32scope/_wrappers/inner.py), the parent's graph split by DDP's optimizer at buckets.
+    return cast("torch.nn.Module", torch.compile(model, backend=backend))
 
 
 # -- configurations: each returns (model to train, a function giving its full parameters) --
@@ -186,18 +188,22 @@ def fsdp2(variant: str, *, reshard: bool = True, use_checkpoint: bool = False) -
     return build
 
 
-def fsdp2_region(*, as_unit: bool) -> Callable[[], Built]:
-    """The block an in-graph region inside the root's unit, or a unit itself (refused), compiled whole."""
+def fsdp2_region(*, as_unit: bool, backend: str = "aot_eager", scoped: bool = True) -> Callable[[], Built]:
+    """The block an in-graph region inside the root's unit, or a unit itself (refused), compiled whole.
+
+    ``scoped=False``: the same model compiled the same way without fp32scope (a control).
+    """
 
     def build() -> Built:
         shard = fully_shard_api()
         assert shard is not None
         model = new_model()
-        model.block = _scope(model.block, in_graph=True)
+        if scoped:
+            model.block = _scope(model.block, in_graph=True)
         if as_unit:  # the region would take its sharded parameters: refused while traced
             shard(model.block)
         shard(model)
-        return _compiled(model), _dtensor_params(model)
+        return _compiled(model, backend), _dtensor_params(model)
 
     return build
 
@@ -248,16 +254,18 @@ def fsdp1(variant: str) -> Callable[[], Built]:
     return build
 
 
-def ddp(variant: str, **kwargs: Any) -> Callable[[], Built]:
+def ddp(variant: str, *, backend: str | None = None, **kwargs: Any) -> Callable[[], Built]:
+    """DDP around the model; ``backend``: the DDP-wrapped model compiled whole with it (torch's recipe)."""
+
     def build() -> Built:
         from torch.nn.parallel import DistributedDataParallel
 
         model = new_model(use_checkpoint=variant == "checkpoint")
         if variant != "none":
-            model.block = _scope(model.block, in_graph=variant == "region-compiled")
+            model.block = _scope(model.block, in_graph=variant == "region")
         wrapped = DistributedDataParallel(model, **kwargs)
-        if variant == "region-compiled":  # torch's recipe: compile the DDP-wrapped model
-            return _compiled(wrapped), _plain_params(model)
+        if backend is not None:
+            return _compiled(wrapped, backend), _plain_params(model)
         return wrapped, _plain_params(model)
 
     return build
@@ -282,6 +290,8 @@ CONFIGS: dict[str, Callable[[], Built]] = {
     "fsdp2-all-sharded-then-policy": fsdp2_policy("all-sharded-then-policy"),
     "fsdp2-region-in-root-unit-compiled": fsdp2_region(as_unit=False),
     "fsdp2-region-as-unit-compiled": fsdp2_region(as_unit=True),
+    "fsdp2-control-inductor": fsdp2_region(as_unit=False, backend="inductor", scoped=False),
+    "fsdp2-region-in-root-unit-inductor": fsdp2_region(as_unit=False, backend="inductor"),
     "fsdp1-control": fsdp1("none"),
     "fsdp1-proxy-around-unit": fsdp1("proxy-around-unit"),
     "fsdp1-decorated-inside-unit": fsdp1("decorated-inside-unit"),
@@ -289,7 +299,9 @@ CONFIGS: dict[str, Callable[[], Built]] = {
     "ddp-static-graph": ddp("proxy", static_graph=True),
     "ddp-bucket-view": ddp("proxy", gradient_as_bucket_view=True),
     "ddp-checkpoint": ddp("checkpoint", static_graph=True),
-    "ddp-region-compiled": ddp("region-compiled"),
+    "ddp-region-compiled": ddp("region", backend="aot_eager"),
+    "ddp-control-inductor": ddp("none", backend="inductor"),
+    "ddp-region-inductor": ddp("region", backend="inductor"),
 }
 
 
@@ -306,6 +318,7 @@ def train(name: str, rank: int, expected: list[dict[str, torch.Tensor]]) -> dict
     """One configuration on this rank: the differences per step and what the probes saw."""
     set_process_default(DEFAULT)
     before = _flags.read_all()
+    entries_before = set(inner._entries)
     with _quiet():
         model, read = CONFIGS[name]()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -325,7 +338,24 @@ def train(name: str, rank: int, expected: list[dict[str, torch.Tensor]]) -> dict
         seen.setdefault(f"{phase} {tag}", [])
         if str(precision) not in seen[f"{phase} {tag}"]:
             seen[f"{phase} {tag}"].append(str(precision))
-    return {"diffs": diffs, "states": states, "seen": seen, "flags_restored": _flags.read_all() == before}
+    return {
+        "diffs": diffs,
+        "states": states,
+        "seen": seen,
+        "flags_restored": _flags.read_all() == before,
+        "compiled_inside": _ran_compiled_inside(entries_before),
+    }
+
+
+def _ran_compiled_inside(before: set[int]) -> int:
+    """How many region calls made since ``before`` ran compiled inside their op, forward and backward."""
+    ran = 0
+    for number, ref in list(inner._entries.items()):
+        entry = ref()
+        if number in before or entry is None or entry.backward is None:
+            continue
+        ran += entry.forward.fast is not None and entry.backward.fast is not None
+    return ran
 
 
 def worker(rank: int, init_file: str, out: str, names: list[str]) -> None:

@@ -12,7 +12,9 @@ is the one made; where the wrapper does not run at all (FSDP2 on torch 2.4's CPU
 its tests skip with the reason, decided by what that torch has (not by the control failing:
 a control that errors fails the test, since the harness is then broken). The
 ``*-region-compiled`` configurations compile the wrapped model whole (``aot_eager``) with the
-block an in-graph region (``in_graph=True``, issue 36).
+block an in-graph region (``in_graph=True``, issue 36); the ``*-inductor`` ones with Inductor,
+the block compiled inside its region's op (issue 40), against the same wrapper compiled the
+same way without fp32scope.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ def _largest_difference(a: list[dict[str, list[float]]], b: list[dict[str, list[
 
 def _check(results: dict[str, Any], name: str, control: str) -> None:
     got = results[name]
+    if name.endswith("-inductor"):  # the node compiled inside its op, not run eagerly there
+        assert got.get("compiled_inside", 0) >= 1, got.get("error", got.get("compiled_inside"))
     why_not = _control_trains(results, control)
     assert "error" not in got, got.get("error")
     # The same wrapper without fp32scope: step by step, the same parameters.
@@ -109,9 +113,15 @@ def _check(results: dict[str, Any], name: str, control: str) -> None:
 
 
 REFUSED_REGION = "fsdp2-region-as-unit-compiled"
-FSDP2 = [n for n in sharded.CONFIGS if n.startswith("fsdp2-") and n not in {"fsdp2-control", REFUSED_REGION}]
-FSDP1 = [n for n in sharded.CONFIGS if n.startswith("fsdp1-") and n != "fsdp1-control"]
-DDP = [n for n in sharded.CONFIGS if n.startswith("ddp-") and n != "ddp-control"]
+CONTROLS = {"fsdp2-control", "fsdp2-control-inductor", "fsdp1-control", "ddp-control", "ddp-control-inductor"}
+FSDP2 = [n for n in sharded.CONFIGS if n.startswith("fsdp2-") and n not in {*CONTROLS, REFUSED_REGION}]
+FSDP1 = [n for n in sharded.CONFIGS if n.startswith("fsdp1-") and n not in CONTROLS]
+DDP = [n for n in sharded.CONFIGS if n.startswith("ddp-") and n not in CONTROLS]
+
+
+def _control(name: str) -> str:
+    """The same wrapper without fp32scope, compiled with Inductor where ``name`` is."""
+    return name.split("-", maxsplit=1)[0] + ("-control-inductor" if name.endswith("-inductor") else "-control")
 
 
 @pytest.mark.parametrize("name", FSDP2)
@@ -119,7 +129,7 @@ def test_fsdp2(results: dict[str, Any], name: str) -> None:
     missing = fsdp2_missing_here()
     if missing is not None:
         pytest.skip(missing)
-    _check(results, name, "fsdp2-control")
+    _check(results, name, _control(name))
 
 
 def test_an_fsdp2_unit_as_an_in_graph_region_is_refused_naming_what_works(results: dict[str, Any]) -> None:
@@ -142,14 +152,14 @@ def test_fsdp1(results: dict[str, Any], name: str) -> None:
 @pytest.mark.parametrize("name", DDP)
 def test_ddp(results: dict[str, Any], name: str) -> None:
     assert _control_trains(results, "ddp-control") is None  # DDP trains exactly on every tested torch
-    _check(results, name, "ddp-control")
+    _check(results, name, _control(name))
 
 
 def test_the_controls_run_unscoped(results: dict[str, Any]) -> None:
     # The harness itself: without fp32scope the block runs in the default, forward and backward.
-    controls = ["fsdp1-control", "ddp-control"]
+    controls = ["fsdp1-control", "ddp-control", "ddp-control-inductor"]
     if fsdp2_missing_here() is None:
-        controls.append("fsdp2-control")
+        controls += ["fsdp2-control", "fsdp2-control-inductor"]
     for control in controls:
         got = results[control]
         assert "error" not in got, f"{control} (no fp32scope) failed, so the harness is broken:\n{got['error']}"
