@@ -41,8 +41,8 @@ __all__ = [
     "cpu_capability",
     "dtensor_type",
     "export_node_graph",
-    "graph_callable",
     "fsdp2_param_dtype",
+    "graph_callable",
     "is_dynamo_compiling",
     "is_exporting",
 ]

@@ -248,7 +248,10 @@ class Entry:
 
 
 def _forget(number: int) -> Callable[[object], None]:
-    return lambda _: _entries.pop(number, None)
+    def forget(_: object) -> None:
+        _entries.pop(number, None)
+
+    return forget
 
 
 def _entry(number: int) -> Entry:
@@ -257,8 +260,8 @@ def _entry(number: int) -> Entry:
     entry = None if ref is None else ref()
     if entry is None:
         msg = (
-            f"fp32scope: compiled-inside region entry {number} is gone: the scoped node it was traced from was "
-            "freed while a compiled graph calling it was kept. Compile the parent again (torch.compiler.reset())."
+            f"A compiled graph called compiled-inside region entry {number}, whose scoped node was freed while "
+            "the graph was kept. Compile the parent again (torch.compiler.reset(), then call it)."
         )
         raise Fp32ScopeError(msg)
     return entry

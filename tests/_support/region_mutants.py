@@ -312,6 +312,15 @@ EQUIVALENT: dict[str, str] = {
         "for custom ops; an expanded gradient arrives materialized), so every input of the op is "
         "already in the layout its graph was compiled for; the copy guards another configured constraint"
     ),
+    "a compiled-inside op's later calls take inputs laid out otherwise as they come": (
+        "the same constraint as above, at every call: Inductor's code calling the op hands it inputs "
+        "in the strides of its first call; the check guards another configured constraint"
+    ),
+    "a compiled-inside op's outputs keep the compiled code's layout": (
+        "Inductor keeps a graph's output strides as the graph's own metadata gives them (its "
+        "keep_output_stride, on by default), which the op's fake kernel declares too; the copy "
+        "guards that setting turned off"
+    ),
 }
 
 
