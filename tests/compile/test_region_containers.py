@@ -43,7 +43,7 @@ class Layers(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
-        self.layers[1] = Fp32ScopedModule(self.layers[1], FULL, name="layer1")
+        self.layers[1] = Fp32ScopedModule(self.layers[1], FULL, name="layer1")  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers[:2]:  # as Llama's decoder loop
