@@ -114,8 +114,7 @@ class _Graph:
         for i in self.relayout:
             out[i] = _as_layout(out[i], outputs[i])
         for i in self.copies:
-            o = out[i]
-            out[i] = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(o)
+            out[i] = _copy(out[i])
         return out
 
     def _first_run(self, values: list[torch.Tensor]) -> list[Any]:
@@ -132,8 +131,7 @@ class _Graph:
             out[i] = _as_layout(out[i], self.outputs[i])
         copies = _aliased(out, given)
         for i in copies:
-            o = out[i]
-            out[i] = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(o)
+            out[i] = _copy(out[i])
         with self.lock:
             self.relayout, self.copies = relayout, copies
             self.fast = graph_callable(compiled)
@@ -173,10 +171,14 @@ def _as_layout(value: torch.Tensor, layout: tuple[tuple[int, ...], tuple[int, ..
     return out
 
 
+def _copy(value: torch.Tensor) -> torch.Tensor:
+    # Laid out as the original (strides, gaps), which the op's fake kernel declared.
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device).copy_(value)
+
+
 def _aliased(outputs: list[Any], inputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
     # An op's output may alias neither its inputs nor another output (AOTAutograd and
     # Inductor assume it): a compiled graph hands back an input, or one buffer as two views.
-    # Copies of these keep their layout (strides, gaps), which the op's fake kernel declared.
     seen = {t.untyped_storage()._cdata for t in inputs}
     found = []
     for i, o in enumerate(outputs):
@@ -557,6 +559,7 @@ dynamo_exclude.exclude(
     _fake,
     _aliased,
     _as_layout,
+    _copy,
     _entry,
     state_holds,
     _check_state,

@@ -284,8 +284,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "a compiled-inside op's later calls copy no aliasing output",
         INNER,
-        "        for i in self.copies:\n            o = out[i]",
-        "        for i in ():\n            o = out[i]",
+        "        for i in self.copies:\n            out[i] = _copy(out[i])",
+        "        for i in ():\n            out[i] = _copy(out[i])",
     ),
     Mutant(
         "compiled-inside entry numbers alike in every process",
