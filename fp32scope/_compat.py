@@ -40,6 +40,7 @@ __all__ = [
     "aoti_packaging_missing",
     "cpu_capability",
     "dtensor_type",
+    "dynamo_isinstance_as_python",
     "export_node_graph",
     "fsdp2_param_dtype",
     "graph_callable",
@@ -323,3 +324,47 @@ def graph_callable(compiled: Any) -> Callable[[list[Any]], Any]:
     """
     fn = getattr(compiled, "current_callable", None)
     return fn if callable(fn) else compiled  # type: ignore[no-any-return]
+
+
+_ISINSTANCE_AS_PYTHON: list[type] = []
+
+
+def dynamo_isinstance_as_python(cls: type) -> bool:
+    """Have Dynamo answer ``isinstance(obj, C)`` for an instance of ``cls`` as Python does.
+
+    ``cls`` is a proxy: its instances report the wrapped object's class as ``__class__``,
+    which Python's ``isinstance`` reads. torch 2.15's Dynamo answers an ``isinstance`` of a
+    plain class (an ``nn.Module``) from ``type(obj)`` alone, where no proxy can answer: a
+    compiled ``isinstance(scoped, nn.Module)`` would be False where eager says True, and a
+    ``ModuleList`` holding one could not be sliced. Where that rule is present (found by its
+    ``_VALUE_INDEPENDENT_TYPES``), Dynamo's ``isinstance`` handler is wrapped, once, so that
+    for instances of the registered classes only it calls Python's ``isinstance`` on the
+    object, as it already does for classes with an ``__instancecheck__``. Returns whether
+    that rule is present. Imports Dynamo; called when a proxy is made.
+    """
+    if cls in _ISINSTANCE_AS_PYTHON:
+        return bool(_ISINSTANCE_AS_PYTHON)
+    from torch._dynamo.variables import builtin
+
+    if not hasattr(builtin, "_VALUE_INDEPENDENT_TYPES"):
+        return False
+    if not _ISINSTANCE_AS_PYTHON:
+        _wrap_dynamo_isinstance(builtin)
+    _ISINSTANCE_AS_PYTHON.append(cls)
+    return True
+
+
+def _wrap_dynamo_isinstance(builtin: Any) -> None:
+    from torch._dynamo.variables.base import VariableTracker
+
+    original = builtin.BuiltinVariable.call_isinstance
+    proxies = _ISINSTANCE_AS_PYTHON
+
+    def call_isinstance(self: Any, tx: Any, arg: Any, isinstance_type_var: Any) -> Any:
+        value = getattr(arg, "value", None)
+        if issubclass(type(value), tuple(proxies)) and isinstance_type_var.is_python_constant():
+            return VariableTracker.build(tx, isinstance(value, isinstance_type_var.as_python_constant()))
+        return original(self, tx, arg, isinstance_type_var)
+
+    call_isinstance.__wrapped__ = original  # type: ignore[attr-defined]
+    builtin.BuiltinVariable.call_isinstance = call_isinstance

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import wrapt
 
+from fp32scope._compat import dynamo_isinstance_as_python
 from fp32scope._flags import dynamo_exclude
 from fp32scope._flags.precision import Fp32Precision, check_backward, check_precision
 from fp32scope._flags.scope import fp32_precision_scope, wrapper_scope
@@ -183,6 +184,7 @@ class Fp32ScopedModule(_ProxyBase):
         if mode is None:
             mode = declared_autocast(label, module)
         dynamo_exclude.ensure()
+        dynamo_isinstance_as_python(Fp32ScopedModule)  # a compiling parent asks as eager does
         super().__init__(module)
         self._self_precision = checked
         self._self_eager = eager
