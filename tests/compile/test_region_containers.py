@@ -70,7 +70,9 @@ def test_a_fullgraph_parent_slices_a_module_list_holding_a_region_as_eager_does(
     with fp32_precision_scope(DEFAULT):
         expected = model(x)
         got = torch.compile(model, backend=backend, fullgraph=True)(x)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # Inductor's own code for the tanh may differ from eager's in the last bit (torch 2.4.1).
+    tolerance = 0.0 if backend == "aot_eager" else None
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
     # Eager, then compiled: the region ran in its precision, the layer before it in the default.
     assert phases("fwd") == {"layer0": [DEFAULT, DEFAULT], "layer1": [FULL, FULL]}
 
