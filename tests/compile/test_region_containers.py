@@ -26,6 +26,7 @@ from fp32scope import Fp32Precision, Fp32ScopedModule, fp32_precision_scope, sco
 from tests._support import probe as _probe
 from tests._support.hf import probe_attentions, tiny_llama
 from tests._support.probe import phases, probe
+from tests._support.releases import TORCH_RELEASE
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -135,3 +136,59 @@ def test_a_llama_decoder_layer_as_a_region_trains_in_its_sliced_loop_as_its_eage
     for (name, got), want in zip(model.named_parameters(), twin.parameters(), strict=True):
         assert got.grad is not None, name
         torch.testing.assert_close(got.grad, want.grad, msg=name)
+
+
+class Reads(torch.nn.Module):
+    """A compiled parent reading its scoped ``Sequential`` child as code reads a module."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.how = how
+        # Any: read as the Sequential it wraps, and as the proxy (__wrapped__).
+        self.child: Any = Fp32ScopedModule(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()), FULL, name="c")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: PLR0911  (one branch per way of reading)
+        if self.how == "index":
+            return self.child[0](x)  # type: ignore[no-any-return]
+        if self.how == "index wrapped":
+            return self.child.__wrapped__[0](x)  # type: ignore[no-any-return]
+        if self.how == "iterate":
+            for module in self.child:
+                x = module(x)
+            return x
+        if self.how == "len":
+            return x * len(self.child)
+        if self.how == "child parameters":
+            first: torch.Tensor = next(self.child.parameters())
+            return x * first.sum()
+        if self.how == "parent parameters":
+            return x * sum(p.sum() for p in self.parameters())
+        return x * len(list(self.modules()))  # "modules"
+
+
+READS = ["index", "index wrapped", "iterate", "len", "child parameters", "parent parameters", "modules"]
+#: The readings that are a graph break in a compiled parent, by tested release (the guide's limits list them).
+BREAKS = {"2.4": {"child parameters"}, "2.13": {"index"}, "2.15": set()}
+
+
+@pytest.mark.parametrize("how", READS)
+def test_a_compiled_parent_reads_a_scoped_container_as_eager_does(how: str) -> None:
+    model = Reads(how)
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(torch.compile(model, backend="eager")(x), model(x), rtol=0, atol=0)
+
+
+def test_the_readings_that_break_the_graph_are_those_the_guide_lists() -> None:
+    release = ".".join(TORCH_RELEASE.split(".")[:2])
+    if release not in BREAKS:
+        pytest.skip(f"torch {TORCH_RELEASE} is not a tested release; BREAKS lists 2.4, 2.13 and 2.15")
+    breaking = set()
+    for how in READS:
+        torch._dynamo.reset()
+        counters.clear()
+        model = Reads(how)
+        torch.compile(model, backend="eager")(torch.randn(2, 4))
+        if sum(counters["graph_break"].values()):
+            breaking.add(how)
+    assert breaking == BREAKS[release], "update BREAKS and the guide's limits (docs/guide/compiled.rst)"
