@@ -179,7 +179,7 @@ def docs(session: nox.Session, torch: str) -> None:
 @nox.session
 @nox.parametrize("torch", TORCH_VERSIONS)
 def bench(session: nox.Session, torch: str) -> None:
-    """Measure per-call costs (scopes, wrappers, torch's helpers), per-step training costs, and compiled models.
+    """Measure per-call costs (scopes, wrappers, torch's helpers), per-step training costs, compiled models, decoding.
 
     Arguments after ``--`` go to every script (``--repeats N``).
     """
@@ -188,6 +188,8 @@ def bench(session: nox.Session, torch: str) -> None:
     session.run("python", "benchmarks/bench_scope.py", *session.posargs)
     session.run("python", "benchmarks/bench_training.py", *session.posargs)
     session.run("python", "benchmarks/bench_compiled.py", *session.posargs)
+    session.install("transformers>=5")  # the decode bench's Llama, built offline from its config
+    session.run("python", "benchmarks/bench_decode.py", *session.posargs)
 
 
 @nox.session

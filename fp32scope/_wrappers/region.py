@@ -656,7 +656,9 @@ def _execute(
     given = op.tensors
     inplace = _copy_carried(op, fake=fake, copy=not grad_mask)
     carried_versions = [op.tensors[i]._version for i in inplace]
-    recorder = _WriteRecorder() if find_mutated or inplace else None
+    # The recorder (a dispatch mode: every op of the node through Python) only finds what the
+    # node writes; the fake run finds it, a real run reads the plan.
+    recorder = _WriteRecorder() if find_mutated or (fake and inplace) else None
     with recorder or contextlib.nullcontext():
         result = _run(op, fake=fake, grad=bool(grad_mask))
     written = set() if recorder is None else recorder.storages

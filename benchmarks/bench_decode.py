@@ -1,0 +1,229 @@
+"""What scoping a Llama's attentions costs in a compiled decode step with a KV cache.
+
+Run with ``nox -s bench`` (or ``python benchmarks/bench_decode.py``). The model: a Llama
+built offline from transformers' config with random weights (``--layers`` 4, width 256, 4
+heads, 2 key-value heads), batch 1, a 16-token prompt, its ``forward`` compiled
+``fullgraph=True`` with Inductor, one thread. Two variants, each with a ``StaticCache``
+(``--cache-length`` long) and a ``DynamicCache``:
+
+- plain: no scoped node;
+- scoped: every ``self_attn`` scoped to full float32 (``scope_modules``, the default
+  ``in_graph``): each attention is one region op of the decode step's graph, carrying the
+  cache, and runs inside its op as eager code does.
+
+The process default is full float32 too, so both run the same matmuls and a difference is
+what the scoping costs. For each: the median over ``--repeats`` interleaved rounds of the
+mean time of a decode step over ``--steps`` consecutive steps (the caches cut back to the
+prompt between rounds, untimed), and the cost per scoped attention: the median over rounds
+of (scoped - plain) / layers, both of the same round.
+
+Checked before timing, and it exits 1 otherwise: no graph break; no Python ``forward`` of
+the model, its decoder layers or their MLPs ran (the graph runs them), and in the scoped
+variant each attention's did (inside its op) and in the plain one none; the timed steps
+compile nothing. It exits 2 where transformers cannot run its models here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import statistics
+import sys
+import time
+import types
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import fp32scope
+from fp32scope import Fp32Precision, scope_modules
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+FULL = Fp32Precision("highest", False)
+PROMPT = 16
+ATTENTIONS = r"re:model\.layers\.\d+\.self_attn"
+
+
+def build(layers: int) -> Any:
+    """The Llama, weights drawn at random (seed 0); exits 2 where transformers cannot run it."""
+    transformers = importlib.import_module("transformers")
+    if not transformers.is_torch_available():  # transformers 5 disables its models below torch 2.6
+        print(f"bench_decode: transformers {transformers.__version__} does not run its models here", file=sys.stderr)
+        raise SystemExit(2)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+class Variant:
+    """One model and cache: its prompt run, a timed run of decode steps, a cut back to the prompt."""
+
+    def __init__(self, model: Any, cache_kind: str, cache_length: int) -> None:
+        transformers = importlib.import_module("transformers")
+        self.model = model
+        self.forward: Callable[..., Any] = torch.compile(model.forward, fullgraph=True)
+        self.static = cache_kind == "static"
+        config = model.config
+        self.cache = (
+            transformers.StaticCache(config=config, max_cache_len=cache_length)
+            if self.static
+            else transformers.DynamicCache(config=config)
+        )
+        self.prompt = torch.randint(0, config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+
+    def step(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        logits = self.forward(
+            input_ids=token,
+            past_key_values=self.cache,
+            use_cache=True,
+            position_ids=torch.tensor([[position]]),
+            cache_position=torch.tensor([position]),
+        ).logits
+        return logits[:, -1:].argmax(-1)  # type: ignore[no-any-return]
+
+    def restart(self) -> torch.Tensor:
+        """The cache holding the prompt only; the first token to decode."""
+        if self.static:
+            self.cache.reset()
+        else:
+            self.cache.crop(0)
+        positions = torch.arange(PROMPT)
+        logits = self.forward(
+            input_ids=self.prompt,
+            past_key_values=self.cache,
+            use_cache=True,
+            position_ids=positions.unsqueeze(0),
+            cache_position=positions,
+        ).logits
+        return logits[:, -1:].argmax(-1)  # type: ignore[no-any-return]
+
+    def decode(self, steps: int) -> float:
+        """Microseconds per decode step, over ``steps`` steps after the prompt."""
+        token = self.restart()
+        start = time.perf_counter()
+        for i in range(steps):
+            token = self.step(token, PROMPT + i)
+        return (time.perf_counter() - start) / steps * 1e6
+
+
+def python_forwards(model: Any, fn: Callable[[], object]) -> Counter[str]:
+    """Which kinds of module ran their own Python ``forward`` in ``fn()``: model, layer, mlp, attention."""
+    kinds = {}
+    for name, module in model.named_modules():
+        # The function itself, not a decorator's wrapper (transformers decorates forwards;
+        # one wrapper's code object serves many of them).
+        code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+        if code is None:
+            continue
+        kind = (
+            "attention"
+            if name.endswith("self_attn")
+            else "mlp"
+            if name.endswith("mlp")
+            else "layer"
+            if name.count(".") == 2 and name.startswith("model.layers.")
+            else "model"
+            if name in ("", "model")
+            else None
+        )
+        if kind is not None:
+            kinds[code] = kind
+    seen: Counter[str] = Counter()
+
+    def profile(frame: types.FrameType, event: str, _arg: object) -> None:
+        if event == "call" and frame.f_code in kinds:
+            seen[kinds[frame.f_code]] += 1
+
+    sys.setprofile(torch.compiler.disable(profile, recursive=True))  # type: ignore[no-untyped-call]
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def prepared(kind: str, scoped: bool, args: argparse.Namespace) -> Variant:
+    """A variant compiled and warm, checked (exits 1): no graph break, only the Python frames meant to run."""
+    name = f"{kind} cache, {'scoped' if scoped else 'plain'}"
+    model = build(args.layers)
+    if scoped:
+        scope_modules(model, {ATTENTIONS: FULL})
+    variant = Variant(model, kind, args.cache_length)
+    counters.clear()
+    for _ in range(2):  # compile prompt and decode graphs (dynamic: sizes marked dynamic)
+        variant.decode(args.steps)
+    breaks = sum(counters["graph_break"].values())
+    ran = python_forwards(model, lambda: variant.decode(2))
+    if breaks or ran["model"] + ran["layer"] + ran["mlp"] > 0 or (ran["attention"] > 0) != scoped:
+        print(
+            f"error: {name}: {breaks} graph breaks, Python forward frames {dict(ran)}; expected none "
+            "but the scoped attentions' (inside their ops)",
+            file=sys.stderr,
+        )
+        raise SystemExit(1)
+    return variant
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build, compile, check, measure; print the figures."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--cache-length", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--caches", default="static,dynamic", help="which caches, comma-separated")
+    parser.add_argument("--number", type=int, default=None, help="accepted and ignored (nox -s bench passes it)")
+    args = parser.parse_args(argv)
+    unknown = set(args.caches.split(",")) - {"static", "dynamic"}
+    if unknown:
+        parser.error(f"--caches takes static and dynamic, comma-separated; got {args.caches!r}")
+    torch.set_num_threads(1)
+    fp32scope.set_process_default(FULL)
+    for limit in ("recompile_limit", "cache_size_limit"):
+        if limit in torch._dynamo.config._config:  # type: ignore[attr-defined]
+            setattr(torch._dynamo.config, limit, 256)
+    variants = {
+        f"{kind} cache, {'scoped' if scoped else 'plain'}": prepared(kind, scoped, args)
+        for kind in args.caches.split(",")
+        for scoped in (False, True)
+    }
+    frames = counters["frames"]["total"]
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.repeats):
+        for name, variant in variants.items():
+            samples[name].append(variant.decode(args.steps))
+    if counters["frames"]["total"] != frames:
+        print("error: a timed step compiled again; the figures would include compiling", file=sys.stderr)
+        return 1
+    print(f"torch {torch.__version__}, fp32scope {fp32scope.__version__}, inductor, fullgraph=True, 1 thread")
+    print(
+        f"Llama, {args.layers} layers, width 256, batch 1, prompt {PROMPT}, static cache {args.cache_length} long; "
+        f"median of {args.repeats} interleaved rounds of {args.steps} decode steps, us per step"
+    )
+    for name, values in samples.items():
+        print(f"  {name:<24} {statistics.median(values):9.1f}")
+    print("cost per scoped attention, us per step (median over rounds of (scoped - plain) / layers):")
+    for kind in args.caches.split(","):
+        base, mine = samples[f"{kind} cache, plain"], samples[f"{kind} cache, scoped"]
+        paired = [(m - b) / args.layers for m, b in zip(mine, base, strict=True)]
+        print(f"  {kind} cache: {statistics.median(paired):.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
