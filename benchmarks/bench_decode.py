@@ -4,7 +4,7 @@ Run with ``nox -s bench`` (or ``python benchmarks/bench_decode.py``). The model:
 built offline from transformers' config with random weights (``--layers`` 4, width 256, 4
 heads, 2 key-value heads), batch 1, a 16-token prompt, its ``forward`` compiled
 ``fullgraph=True`` with Inductor, one thread. Two variants, each with a ``StaticCache``
-(``--cache-length`` long) and a ``DynamicCache``:
+(``--cache-length`` long) and a ``DynamicCache``, without gradients (as ``generate`` runs):
 
 - plain: no scoped node;
 - scoped: every ``self_attn`` scoped to full float32 (``scope_modules``, the default
@@ -113,12 +113,13 @@ class Variant:
         return logits[:, -1:].argmax(-1)  # type: ignore[no-any-return]
 
     def decode(self, steps: int) -> float:
-        """Microseconds per decode step, over ``steps`` steps after the prompt."""
-        token = self.restart()
-        start = time.perf_counter()
-        for i in range(steps):
-            token = self.step(token, PROMPT + i)
-        return (time.perf_counter() - start) / steps * 1e6
+        """Microseconds per decode step, over ``steps`` steps after the prompt (without gradients, as ``generate``)."""
+        with torch.no_grad():
+            token = self.restart()
+            start = time.perf_counter()
+            for i in range(steps):
+                token = self.step(token, PROMPT + i)
+            return (time.perf_counter() - start) / steps * 1e6
 
 
 def python_forwards(model: Any, fn: Callable[[], object]) -> Counter[str]:
