@@ -363,7 +363,11 @@ def _wrap_dynamo_isinstance(builtin: Any) -> None:
     def call_isinstance(self: Any, tx: Any, arg: Any, isinstance_type_var: Any) -> Any:
         value = getattr(arg, "value", None)
         if issubclass(type(value), tuple(proxies)) and isinstance_type_var.is_python_constant():
-            return VariableTracker.build(tx, isinstance(value, isinstance_type_var.as_python_constant()))
+            try:
+                answer = isinstance(value, isinstance_type_var.as_python_constant())
+            except TypeError:  # not a class: Dynamo's own handler raises it as Python would
+                return original(self, tx, arg, isinstance_type_var)
+            return VariableTracker.build(tx, answer)
         return original(self, tx, arg, isinstance_type_var)
 
     call_isinstance.__wrapped__ = original  # type: ignore[attr-defined]

@@ -23,6 +23,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from fp32scope import Fp32Precision, Fp32ScopedModule, fp32_precision_scope, scope_modules
+from fp32scope._compat import dynamo_isinstance_as_python
 from tests._support import probe as _probe
 from tests._support.hf import probe_attentions, tiny_llama
 from tests._support.probe import phases, probe
@@ -192,3 +193,22 @@ def test_the_readings_that_break_the_graph_are_those_the_guide_lists() -> None:
         if sum(counters["graph_break"].values()):
             breaking.add(how)
     assert breaking == BREAKS[release], "update BREAKS and the guide's limits (docs/guide/compiled.rst)"
+
+
+@pytest.mark.skipif(
+    not dynamo_isinstance_as_python(Fp32ScopedModule),
+    reason=f"torch {TORCH_RELEASE}'s Dynamo answers isinstance of a proxy itself (fp32scope wraps nothing there)",
+)
+def test_isinstance_of_a_region_child_with_a_non_class_raises_as_eager_does() -> None:
+    # fp32scope's answer hands a TypeError back to Dynamo's own handler, which raises it in the traced code.
+    child = Fp32ScopedModule(torch.nn.Linear(2, 2), FULL, name="child")
+
+    def asks(x: torch.Tensor) -> torch.Tensor:
+        try:
+            isinstance(child, 5)  # type: ignore[arg-type]
+        except TypeError:
+            return x + 1
+        return x - 1
+
+    x = torch.zeros(1)
+    torch.testing.assert_close(torch.compile(asks, backend="eager", fullgraph=True)(x), asks(x))
