@@ -10,6 +10,10 @@ the earlier tested releases do not have): without fp32scope's answer there
 (``_compat.dynamo_isinstance_as_python``) it said False where eager says True, and a slice
 of a ``ModuleList`` holding a region failed, a graph break (an error under
 ``fullgraph=True``). These tests run on every release; on 2.15 they fail without that answer.
+
+A compiled parent also reads a scoped container as code reads a module (index it, iterate,
+``len``, ``parameters()``): the results equal eager's everywhere, and the readings that are a
+graph break on a tested release are exactly those the guide's limits list (``BREAKS``).
 """
 
 from __future__ import annotations
