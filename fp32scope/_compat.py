@@ -46,6 +46,7 @@ __all__ = [
     "graph_callable",
     "is_dynamo_compiling",
     "is_exporting",
+    "treespec_children",
 ]
 
 _C = torch._C
@@ -324,6 +325,14 @@ def graph_callable(compiled: Any) -> Callable[[list[Any]], Any]:
     """
     fn = getattr(compiled, "current_callable", None)
     return fn if callable(fn) else compiled  # type: ignore[no-any-return]
+
+
+def treespec_children(spec: Any) -> list[Any]:
+    """The child specs of a pytree spec node: its ``children()`` where it has one (2.13, 2.15), else its field."""
+    children = getattr(spec, "children", None)
+    if callable(children):
+        return list(children())
+    return list(spec.children_specs)
 
 
 _ISINSTANCE_AS_PYTHON: list[type] = []

@@ -86,7 +86,7 @@ from fp32scope._compat import COMPILER_STATE, COMPILING_FLAG, dtensor_type, is_e
 from fp32scope._errors import Fp32RegionBreakWarning, Fp32ScopeError, user_stacklevel
 from fp32scope._flags import dynamo_exclude
 from fp32scope._flags.scope import EXPORTING_MSG, fp32_precision_scope, wrapper_scope
-from fp32scope._wrappers import carriers, inner
+from fp32scope._wrappers import carriers, inner, layouts
 from fp32scope._wrappers.autocast import AutocastPolicy, cast_to_float32, warn_once_under_autocast
 
 __all__ = ["Region", "check_in_graph", "region_call", "traced_region", "warn_break"]
@@ -115,24 +115,8 @@ _saved_lock = threading.Lock()
 Slots = list[tuple[torch.nn.Module, str, int]]
 
 
-class _TensorSlot:
-    """Stands for "the op's next tensor" in an argument or output layout."""
-
-    def __repr__(self) -> str:
-        return "<tensor>"
-
-
-_TENSOR: Final = _TensorSlot()
-
-
-class _SymIntSlot:
-    """Stands for "the op's next integer": an int Dynamo made symbolic (it varies between calls)."""
-
-    def __repr__(self) -> str:
-        return "<int>"
-
-
-_SYMINT: Final = _SymIntSlot()
+_TENSOR: Final = layouts.TENSOR
+_SYMINT: Final = layouts.SYMINT
 
 
 def check_in_graph(value: object) -> bool:
@@ -162,17 +146,17 @@ class _Saved:
 class _Layout:
     """How a call's arguments are rebuilt from the op's tensors: the graph's constants."""
 
-    __slots__ = ("kw_names", "n_args", "plain", "slots", "spec")
+    __slots__ = ("build", "kw_names", "n_args", "plain")
 
     def __init__(self, n_args: int, kw_names: tuple[str, ...], slots: tuple[Any, ...], spec: Any) -> None:
         self.n_args = n_args
         self.kw_names = kw_names
-        # Per leaf of the arguments (flattened as torch's pytree does: tuples, lists, dicts,
-        # named tuples, dataclasses registered with it): _TENSOR (the op's next tensor),
-        # _SYMINT (its next int) or the constant.
-        self.slots = slots
-        self.spec = spec  # the arguments' structure; None where each argument is one leaf
+        # ``slots``: per leaf of the arguments (flattened as torch's pytree does: tuples,
+        # lists, dicts, named tuples, dataclasses registered with it), _TENSOR (the op's next
+        # tensor), _SYMINT (its next int) or the constant; ``spec``: the arguments'
+        # structure, None where each argument is one leaf.
         self.plain = not kw_names and spec is None and all(s is _TENSOR for s in slots)
+        self.build = layouts.builder(slots, spec)
 
 
 class _CarriedArgs:
@@ -378,10 +362,7 @@ class Region:
         spec = self.layouts[layout]
         if spec.plain:  # only positional tensors: the usual call
             return tensors, {}
-        it, numbers = iter(tensors), iter(ints)
-        values = [next(it) if s is _TENSOR else next(numbers) if s is _SYMINT else s for s in spec.slots]
-        if spec.spec is not None:
-            values = _pytree.tree_unflatten(values, spec.spec)
+        values = spec.build(tensors, ints)
         where = self.carried_args.get(layout)
         if where is not None:
             for position in where.positions:

@@ -1,8 +1,8 @@
 """Hand-made mutants of the in-graph region code, and whether the region tests kill each.
 
-mutmut cannot mutate ``_wrappers/region.py``, ``_wrappers/carriers.py`` and
-``_wrappers/inner.py`` usefully: their tests compile, and Dynamo cannot trace mutmut's
-trampolines. So each mutant here is one edit a plausible wrong implementation would make (a
+mutmut cannot mutate ``_wrappers/region.py``, ``_wrappers/carriers.py``,
+``_wrappers/layouts.py`` and ``_wrappers/inner.py`` usefully: their tests compile, and
+Dynamo cannot trace mutmut's trampolines. So each mutant here is one edit a plausible wrong implementation would make (a
 copy left out, a scope not entered, a write-back skipped), named with what it breaks.
 ``nox -s mutation-regions`` (or ``python tests/_support/region_mutants.py`` from the
 repository root) copies the repository to a
@@ -36,11 +36,13 @@ TESTS = (
     "tests/compile/test_region_caches.py",
     "tests/compile/test_eager_nodes.py",
     "tests/compile/test_inner.py",
+    "tests/wrappers/test_layouts.py",
 )
 REGION = "fp32scope/_wrappers/region.py"
 CARRIERS = "fp32scope/_wrappers/carriers.py"
 INNER = "fp32scope/_wrappers/inner.py"
 PROXY = "fp32scope/_wrappers/proxy.py"
+LAYOUTS = "fp32scope/_wrappers/layouts.py"
 
 
 class Mutant(NamedTuple):
@@ -292,6 +294,24 @@ MUTANTS: tuple[Mutant, ...] = (
         INNER,
         "self.number = _PROCESS | next(_numbers)",
         "self.number = next(_numbers)",
+    ),
+    Mutant(
+        "a region's tuple arguments rebuilt as lists",
+        LAYOUTS,
+        'return f"({\', \'.join(children)},)" if children else "()"',
+        "return f\"[{', '.join(children)}]\"",
+    ),
+    Mutant(
+        "a region's dict arguments rebuilt with their keys shifted",
+        LAYOUTS,
+        "zip(keys, children, strict=True)",
+        "zip(keys[1:] + keys[:1], children, strict=True)",
+    ),
+    Mutant(
+        "a region's varying ints rebuilt from the wrong place",
+        LAYOUTS,
+        'return f"n[{self.ints - 1}]"',
+        'return f"n[{self.ints}]"',
     ),
     Mutant(
         "eager nodes are compiled inside",
