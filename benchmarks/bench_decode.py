@@ -9,18 +9,24 @@ heads, 2 key-value heads), batch 1, a 16-token prompt, its ``forward`` compiled
 - plain: no scoped node;
 - scoped: every ``self_attn`` scoped to full float32 (``scope_modules``, the default
   ``in_graph``): each attention is one region op of the decode step's graph, carrying the
-  cache, and runs inside its op as eager code does.
+  cache. With the static cache (fixed sizes) the attention is compiled by Inductor inside
+  its op; with the dynamic one (sizes that grow, symbolic) it runs inside its op as eager
+  code does;
+- scoped, hooked (static cache only): scoped as above, each attention with a forward hook
+  that does nothing, which keeps it eager inside its op (hooks run at every call): what
+  compiling the attention inside saves.
 
 The process default is full float32 too, so both run the same matmuls and a difference is
 what the scoping costs. For each: the median over ``--repeats`` interleaved rounds of the
 mean time of a decode step over ``--steps`` consecutive steps (the caches cut back to the
 prompt between rounds, untimed), and the cost per scoped attention: the median over rounds
-of (scoped - plain) / layers, both of the same round.
+of (scoped - plain) / layers, both of the same round (and of the hooked variant likewise).
 
-Checked before timing, and it exits 1 otherwise: no graph break; no Python ``forward`` of
-the model, its decoder layers or their MLPs ran (the graph runs them), and in the scoped
-variant each attention's did (inside its op) and in the plain one none; the timed steps
-compile nothing. It exits 2 where transformers cannot run its models here.
+Checked before timing, on decode steps, and it exits 1 otherwise: no graph break; no Python
+``forward`` of the model, its decoder layers or their MLPs ran (the graph runs them), nor
+of an attention, except in the hooked variant and the scoped one with the dynamic cache
+(inside their ops); the
+timed steps compile nothing. It exits 2 where transformers cannot run its models here.
 """
 
 from __future__ import annotations
@@ -158,22 +164,33 @@ def python_forwards(model: Any, fn: Callable[[], object]) -> Counter[str]:
     return seen
 
 
-def prepared(kind: str, scoped: bool, args: argparse.Namespace) -> Variant:
+def _no_op_hook(_module: torch.nn.Module, _args: object, _output: object) -> None:
+    return None
+
+
+def prepared(kind: str, scoped: bool, args: argparse.Namespace, *, hooked: bool = False) -> Variant:
     """A variant compiled and warm, checked (exits 1): no graph break, only the Python frames meant to run."""
-    name = f"{kind} cache, {'scoped' if scoped else 'plain'}"
+    name = f"{kind} cache, {'scoped' if scoped else 'plain'}{', hooked' if hooked else ''}"
     model = build(args.layers)
     if scoped:
         scope_modules(model, {ATTENTIONS: FULL})
+    if hooked:
+        for layer in model.model.layers:
+            layer.self_attn.register_forward_hook(_no_op_hook)
     variant = Variant(model, kind, args.cache_length)
     counters.clear()
     for _ in range(2):  # compile prompt and decode graphs (dynamic: sizes marked dynamic)
         variant.decode(args.steps)
     breaks = sum(counters["graph_break"].values())
-    ran = python_forwards(model, lambda: variant.decode(2))
-    if breaks or ran["model"] + ran["layer"] + ran["mlp"] > 0 or (ran["attention"] > 0) != scoped:
+    with torch.no_grad():
+        token = variant.restart()
+        ran = python_forwards(model, lambda: [variant.step(token, PROMPT + i) for i in range(2)])
+    eager_attentions = scoped and (kind == "dynamic" or hooked)
+    if breaks or ran["model"] + ran["layer"] + ran["mlp"] > 0 or (ran["attention"] > 0) != eager_attentions:
+        expected = "but the scoped attentions' (inside their ops)" if eager_attentions else "at all"
         print(
-            f"error: {name}: {breaks} graph breaks, Python forward frames {dict(ran)}; expected none "
-            "but the scoped attentions' (inside their ops)",
+            f"error: {name}: {breaks} graph breaks, Python forward frames in decode steps {dict(ran)}; "
+            f"expected none {expected}",
             file=sys.stderr,
         )
         raise SystemExit(1)
@@ -198,11 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     for limit in ("recompile_limit", "cache_size_limit"):
         if limit in torch._dynamo.config._config:  # type: ignore[attr-defined]
             setattr(torch._dynamo.config, limit, 256)
-    variants = {
-        f"{kind} cache, {'scoped' if scoped else 'plain'}": prepared(kind, scoped, args)
-        for kind in args.caches.split(",")
-        for scoped in (False, True)
-    }
+    variants: dict[str, Variant] = {}
+    for kind in args.caches.split(","):
+        variants[f"{kind} cache, plain"] = prepared(kind, False, args)
+        variants[f"{kind} cache, scoped"] = prepared(kind, True, args)
+        if kind == "static":
+            variants[f"{kind} cache, scoped, hooked"] = prepared(kind, True, args, hooked=True)
     frames = counters["frames"]["total"]
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.repeats):
@@ -211,19 +229,26 @@ def main(argv: list[str] | None = None) -> int:
     if counters["frames"]["total"] != frames:
         print("error: a timed step compiled again; the figures would include compiling", file=sys.stderr)
         return 1
+    report(samples, args)
+    return 0
+
+
+def report(samples: dict[str, list[float]], args: argparse.Namespace) -> None:
+    """Print each variant's median step and each scoped one's cost per attention."""
     print(f"torch {torch.__version__}, fp32scope {fp32scope.__version__}, inductor, fullgraph=True, 1 thread")
     print(
         f"Llama, {args.layers} layers, width 256, batch 1, prompt {PROMPT}, static cache {args.cache_length} long; "
         f"median of {args.repeats} interleaved rounds of {args.steps} decode steps, us per step"
     )
     for name, values in samples.items():
-        print(f"  {name:<24} {statistics.median(values):9.1f}")
+        print(f"  {name:<28} {statistics.median(values):9.1f}")
     print("cost per scoped attention, us per step (median over rounds of (scoped - plain) / layers):")
-    for kind in args.caches.split(","):
-        base, mine = samples[f"{kind} cache, plain"], samples[f"{kind} cache, scoped"]
-        paired = [(m - b) / args.layers for m, b in zip(mine, base, strict=True)]
-        print(f"  {kind} cache: {statistics.median(paired):.1f}")
-    return 0
+    for name, values in samples.items():
+        kind = name.split(" ", 1)[0]
+        if name != f"{kind} cache, plain":
+            base = samples[f"{kind} cache, plain"]
+            paired = [(m - b) / args.layers for m, b in zip(values, base, strict=True)]
+            print(f"  {name:<28} {statistics.median(paired):9.1f}")
 
 
 if __name__ == "__main__":

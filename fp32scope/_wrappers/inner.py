@@ -15,10 +15,14 @@ code generation (Triton's TF32 switches, the CPU's packed bf16 linear) sees the 
 precision; its kernels run in the scope too, at every call.
 
 What is compiled inside is what the trace can hold exactly. A call is left to the eager
-region (the node run eagerly inside the op) where the node updates a buffer or a carried
-cache, returns a view of an input, takes an int that varies between calls or a tensor of
-symbolic shape, has hooks (they run at every call in an eager region), enters a scope of
-its own (a nested scoped node), or where the trace fails: :func:`build` returns None.
+region (the node run eagerly inside the op) where the node updates a buffer, carries a
+cache with a gradient needed, updates or binds a carried cache's tensors otherwise than the
+eager region's run on fake tensors found, returns a view of an input, takes an int that
+varies between calls or a tensor of symbolic shape, has hooks (they run at every call in an
+eager region), enters a scope of its own (a nested scoped node), or where the trace fails:
+:func:`build` returns None. Without a gradient, a static cache's keys and values, which the
+node updates in place, are the graph's inputs, and their new values its first outputs,
+written back by the parent's graph as the eager region's are.
 """
 
 from __future__ import annotations
@@ -274,6 +278,8 @@ def build(
     values: Sequence[torch.Tensor],
     grad_mask: int,
     scope: Any,
+    *,
+    updates: tuple[int, ...] = (),
 ) -> Entry | None:
     """Trace ``fn`` (the node's call over the op's inputs) into compiled graphs, or None where it cannot be.
 
@@ -281,6 +287,11 @@ def build(
     on fresh fake tensors, outside the parent's trace. A scope entered while tracing (a nested
     scoped node) refuses with :class:`Fp32ScopeError`, as in any traced code: such a node is
     not compiled.
+
+    ``updates``: the inputs an inference graph's node updates in place (a static cache's
+    keys), exactly those: the graph updates none, it returns their new values first, in
+    input order, then ``fn``'s outputs (the caller writes them back). A node that updates
+    any other input, or not those, is not compiled.
     """
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
@@ -307,8 +318,12 @@ def build(
         # Outputs AOTAutograd hands back as the graph returns them (a new tensor, or one made
         # by _unsafe_view of an intermediate); any other kind it rebuilds outside the graph.
         plain = {getattr(OutputType, n, None) for n in ("non_alias", "unsafe_view_alias", "custom_function_view")}
-        if any(i.mutates_data or i.mutates_metadata for i in meta.input_info) or any(
-            o.output_type not in plain for o in meta.output_info
+        updated = tuple(i for i, info in enumerate(meta.input_info) if info.mutates_data)
+        if (
+            updated != updates
+            or (updated and grad_mask)
+            or any(i.mutates_metadata or getattr(i, "mutates_storage_metadata", False) for i in meta.input_info)
+            or any(o.output_type not in plain for o in meta.output_info)
         ):
             return None
         # Inductor's own passes over a joint (or inference) graph, as its compile_fx runs

@@ -951,12 +951,24 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
     mutated = [_UNKNOWN] if known is None else list(known)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in itertools.chain(tensors, params))
     entry = None
-    if region.compiled and known == () and not ints and layout not in region.carried_args and inner.wants_inductor():
+    # A call carrying a cache is compiled inside once the eager region's run on fake tensors
+    # (Dynamo's, before this one) has found what the node does to the cache, and only
+    # without a gradient (as generate runs).
+    plan = region.carried.get(layout) if layout in region.carried_args else None
+    carries = layout in region.carried_args
+    if (
+        region.compiled
+        and known == ()
+        and not ints
+        and (not carries or (plan is not None and not grad))
+        and inner.wants_inductor()
+    ):
         entry = _inner_entry(region, layout, autocast, [*tensors, *params, *buffers], len(tensors), grad=grad)
     if entry is not None:
         out = inner.apply(entry, next(_sites), [*tensors, *params, *buffers], grad=grad)
         found: tuple[int, ...] = ()
-        plan = None
+        if plan is not None:  # the graph returns the tensors updated in place first: moved last, as the op's
+            out = [*out[len(plan.inplace) :], *out[: len(plan.inplace)]]
     else:
         op = torch.ops.fp32scope.region_grad.default if grad else torch.ops.fp32scope.region.default
         # Every integer of the call in one SymInt[] (each list argument costs the dispatcher
@@ -1047,17 +1059,20 @@ def _inner_entry(  # noqa: PLR0913  (a traced call's state, kept together)
     if not _has_hooks(region.module):
         n_params, n_buffers = region.counts()
         p_slots, b_slots = region.slots(n_params, n_buffers)
+        plan = region.carried.get(layout) if layout in region.carried_args else None
 
         def node(*flat: torch.Tensor) -> list[torch.Tensor]:
-            args, kwargs = region.rebuild(layout, list(flat[:n_tensors]), [])
+            objects: list[tuple[Any, Any]] = []
+            args, kwargs = region.rebuild(layout, list(flat[:n_tensors]), [], objects)
             saved_p = _bind(p_slots, "_parameters", list(flat[n_tensors : n_tensors + n_params]))
             saved_b = _bind(b_slots, "_buffers", list(flat[n_tensors + n_params :])) if b_slots else None
             try:
-                return _flatten_out(region, layout, _call_node(region, autocast, args, kwargs))
+                out = _flatten_out(region, layout, _call_node(region, autocast, args, kwargs))
             finally:
                 if saved_b is not None:
                     _unbind(b_slots, "_buffers", saved_b)
                 _unbind(p_slots, "_parameters", saved_p)
+            return out if plan is None else out + _rebound_as_planned(region, plan, objects)
 
         # A scope entered while the node is traced (a nested scoped node) refuses, as it does
         # in any traced code: such a node runs eagerly in its op instead, where it enters.
@@ -1065,7 +1080,7 @@ def _inner_entry(  # noqa: PLR0913  (a traced call's state, kept together)
         COMPILER_STATE[COMPILING_FLAG] = True
         try:
             state = inner.node_state(region.module)
-            entry = inner.build(node, values, grad_mask, region.scope)
+            entry = _build_inner(node, values, grad_mask, region, plan)
         finally:
             COMPILER_STATE[COMPILING_FLAG] = compiling
         traced = inner.node_state(region.module)
@@ -1075,6 +1090,35 @@ def _inner_entry(  # noqa: PLR0913  (a traced call's state, kept together)
             entry.hold(traced, region.name)
     region.inner[key] = entry
     return entry
+
+
+def _rebound_as_planned(region: Region, plan: _CarriedPlan, objects: list[tuple[Any, Any]]) -> list[torch.Tensor]:
+    """The tensors the traced node bound anew on its carried objects; refused unless as the plan says."""
+    tensors: list[torch.Tensor] = []
+    for (marker, obj), planned in zip(objects, plan.changes, strict=True):
+        changes, new = carriers.changes(marker, obj, len(tensors))
+        if changes != planned:
+            msg = f"Scoped node {region.name!r} changed its cache otherwise when traced than when run"
+            raise Fp32ScopeError(msg)  # (inner.build's refusal: the eager region runs it)
+        tensors += new
+    return tensors
+
+
+def _build_inner(
+    node: Callable[..., list[torch.Tensor]],
+    values: list[torch.Tensor],
+    grad_mask: int,
+    region: Region,
+    plan: _CarriedPlan | None,
+) -> inner.Entry | None:
+    if plan is None:
+        return inner.build(node, values, grad_mask, region.scope)
+    # A carried cache runs its own code (transformers', any release) in the node: where that
+    # cannot be traced into a graph, the eager region runs it, as it ran before.
+    try:
+        return inner.build(node, values, grad_mask, region.scope, updates=plan.inplace)
+    except Exception:  # noqa: BLE001  (any failure of the trace: the eager region is always right)
+        return None
 
 
 def _carriable(value: object) -> bool:

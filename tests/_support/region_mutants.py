@@ -296,6 +296,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "self.number = next(_numbers)",
     ),
     Mutant(
+        "a compiled-inside cache region's updated tensors written back from the wrong outputs",
+        REGION,
+        "            out = [*out[len(plan.inplace) :], *out[: len(plan.inplace)]]",
+        "            out = list(out)",
+    ),
+    Mutant(
+        "a compiled-inside cache region drops the tensors its node binds anew",
+        REGION,
+        "            return out if plan is None else out + _rebound_as_planned(region, plan, objects)",
+        "            return out",
+    ),
+    Mutant(
         "a region's tuple arguments rebuilt as lists",
         LAYOUTS,
         'return f"({\', \'.join(children)},)" if children else "()"',

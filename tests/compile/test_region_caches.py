@@ -7,11 +7,20 @@ compile) fed its own cache: the chosen tokens, the logits, and every cache tenso
 hook on each bare attention passes its output through a probe, which reads the precision
 where the attention runs. Before regions carried caches, a cache argument was a graph break
 (``fullgraph=True`` failed).
+
+A hook keeps a node eager inside its op, so the last test probes inside each attention's
+output projection instead: there a static cache's attention is compiled by Inductor inside
+its op in decode steps, and no Python of it runs.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
+import re
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -134,3 +143,81 @@ def test_a_cache_rebuilt_inside_the_op_has_the_callers_attributes_and_no_more(ki
         assert not mine.is_initialized
     if hasattr(type(cache), "batch_size"):  # (transformers >= 5.2x)
         assert rebuilt.batch_size == cache.batch_size
+
+
+class _Probed(torch.nn.Module):
+    """A projection whose output passes through a probe: inside the node, no hook (a hook keeps it eager)."""
+
+    def __init__(self, projection: torch.nn.Module) -> None:
+        super().__init__()
+        self.projection = projection
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _probe.probe(self.projection(x), "attention")
+
+
+def _probe_inside(model: torch.nn.Module, pattern: str) -> list[torch.nn.Module]:
+    """Each matching attention's output projection wrapped in :class:`_Probed`; the attentions."""
+    found = []
+    for name, module in model.named_modules():
+        if re.fullmatch(pattern.removeprefix("re:"), name):
+            attribute = "o_proj" if hasattr(module, "o_proj") else "c_proj"
+            setattr(module, attribute, _Probed(getattr(module, attribute)))
+            found.append(module)
+    return found
+
+
+def _attention_frames(attentions: list[torch.nn.Module], fn: Callable[[], Any]) -> tuple[Any, int]:
+    """``fn()``, and how many times an attention's own Python ``forward`` ran in it."""
+    codes = {inspect.unwrap(type(a).forward).__code__ for a in attentions}
+    seen = []
+
+    def profile(frame: types.FrameType, event: str, _arg: object) -> None:
+        if event == "call" and frame.f_code in codes:
+            seen.append(frame.f_code)
+
+    sys.setprofile(torch.compiler.disable(profile, recursive=True))  # type: ignore[no-untyped-call]
+    try:
+        result = fn()
+    finally:
+        sys.setprofile(None)
+    return result, len(seen)
+
+
+@pytest.mark.parametrize(("name", "kind"), [("llama", "static"), ("gpt2", "static"), ("llama", "dynamic")])
+def test_a_static_cache_attention_is_compiled_inside_its_op_in_decode(name: str, kind: str) -> None:
+    # Under Inductor, a decode step's attention with a static cache (fixed sizes, no
+    # gradient) is the node's own compiled graph inside its op: no Python of the attention
+    # runs, its kernels run in its precision, and the cache it updates in place is written
+    # back as the eager one is. A dynamic cache grows: from the second decode step on, when
+    # Dynamo has made its sizes symbolic, its attention runs its Python inside the op.
+    build, pattern = ATTENTIONS[name]
+    set_process_default(DEFAULT)
+    model = build()
+    attentions = _probe_inside(model, pattern)
+    twin = copy.deepcopy(model)
+    scope_modules(model, {pattern: KEPT})
+    scope_modules(twin, {pattern: KEPT})
+    compiled: Callable[..., Any] = torch.compile(model.forward, fullgraph=True)
+    prompt = torch.randint(0, model.config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for run in range(2):  # the first compiles each step's graph; the second runs them
+            cache, twin_cache = _cache(kind, model), _cache(kind, twin)
+            ids, start = prompt, 0
+            for step in range(1 + STEPS):
+                positions = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
+                _probe.SEEN.clear()
+                kwargs = {"input_ids": ids, "cache": cache, "use_cache": True, "position_ids": positions}
+                got, frames = _attention_frames(attentions, functools.partial(compiled, **kwargs))
+                assert phases("fwd")["attention"] == [FULL] * len(attentions), f"run {run}, step {step}"
+                if run == 1 and step > 0:
+                    python_runs = len(attentions) if kind == "dynamic" and step > 1 else 0
+                    assert frames == python_runs, f"decode step {step}: the attentions ran their Python {frames} times"
+                want = twin(input_ids=ids, cache=twin_cache, use_cache=True, position_ids=positions)
+                torch.testing.assert_close(got.logits, want.logits, msg=f"logits, run {run}, step {step}")
+                _assert_caches_equal(cache, twin_cache, step)
+                start += ids.shape[1]
+                ids = got.logits[:, -1:].argmax(-1)
+                assert torch.equal(ids, want.logits[:, -1:].argmax(-1)), f"tokens, run {run}, step {step}"
+    assert current_fp32_precision() == DEFAULT
+    assert sum(counters["graph_break"].values()) == 0
