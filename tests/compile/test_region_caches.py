@@ -185,7 +185,9 @@ def _attention_frames(attentions: list[torch.nn.Module], fn: Callable[[], Any]) 
 
 
 @pytest.mark.parametrize(("name", "kind"), [("llama", "static"), ("gpt2", "static"), ("llama", "dynamic")])
-def test_a_decode_attention_is_compiled_inside_with_a_static_cache_and_eager_with_a_growing_one(name: str, kind: str) -> None:
+def test_a_decode_attention_is_compiled_inside_with_a_static_cache_and_eager_with_a_growing_one(
+    name: str, kind: str
+) -> None:
     # Under Inductor, a decode step's attention with a static cache (fixed sizes, no
     # gradient) is the node's own compiled graph inside its op: no Python of the attention
     # runs, its kernels run in its precision, and the cache it updates in place is written
