@@ -10,8 +10,8 @@ heads, 2 key-value heads), batch 1, a 16-token prompt, its ``forward`` compiled
 - scoped: every ``self_attn`` scoped to full float32 (``scope_modules``, the default
   ``in_graph``): each attention is one region op of the decode step's graph, carrying the
   cache. With the static cache (fixed sizes) the attention is compiled by Inductor inside
-  its op; with the dynamic one (sizes that grow, symbolic) it runs inside its op as eager
-  code does;
+  its op; with the dynamic one (sizes that grow, compiled with ``dynamic=True``: symbolic)
+  it runs inside its op as eager code does;
 - scoped, hooked (static cache only): scoped as above, each attention with a forward hook
   that does nothing, which keeps it eager inside its op (hooks run at every call): what
   compiling the attention inside saves.
@@ -89,8 +89,10 @@ class Variant:
     def __init__(self, model: Any, cache_kind: str, cache_length: int) -> None:
         transformers = importlib.import_module("transformers")
         self.model = model
-        self.forward: Callable[..., Any] = torch.compile(model.forward, fullgraph=True)
         self.static = cache_kind == "static"
+        # A growing cache's sizes symbolic from the start: Dynamo's automatic dynamic shapes
+        # make them so after a size changed, on a schedule that differs between Pythons.
+        self.forward: Callable[..., Any] = torch.compile(model.forward, fullgraph=True, dynamic=not self.static or None)
         config = model.config
         self.cache = (
             transformers.StaticCache(config=config, max_cache_len=cache_length)
