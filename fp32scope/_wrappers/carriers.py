@@ -24,7 +24,7 @@ from typing import Any, Final
 
 import torch
 
-__all__ = ["MARK", "can_carry", "changes", "flatten", "is_marker", "rebuild", "write_back"]
+__all__ = ["MARK", "can_carry", "changes", "flatten", "is_marker", "rebuild", "storage", "write_back"]
 
 MARK: Final = "fp32scope carrier"
 _MODULE: Final = "transformers.cache_utils"
@@ -88,6 +88,25 @@ def flatten(value: Any) -> tuple[Any, ...]:
 def is_marker(value: object) -> bool:
     """Whether ``value`` is a cache as :func:`flatten` made it (or as the op's kernel rebuilt it)."""
     return isinstance(value, tuple) and len(value) == 4 and isinstance(value[0], str) and value[0] == MARK
+
+
+_STORAGE: Final = ("keys", "values")
+
+
+def storage(marker: tuple[Any, ...]) -> list[bool]:
+    """For each tensor of a marker, in order: whether it is a layer's keys or values.
+
+    Those are the cache's storage, which only the attentions read: a region may update them
+    where they are. Anything else (a static layer's ``cumulative_length``, which a model
+    reads for its mask before its layers run) leaves the op as a new tensor.
+    """
+    _, _, _, layers = marker
+    return [
+        field in _STORAGE
+        for name, *values in layers
+        for field, value in zip(_FIELDS[name], values, strict=True)
+        if isinstance(value, torch.Tensor)
+    ]
 
 
 def rebuild(marker: tuple[Any, ...]) -> Any:

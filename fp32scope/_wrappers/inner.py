@@ -208,6 +208,7 @@ class Entry:
         "backward",
         "forward",
         "grads",
+        "in_place",
         "n_out",
         "name",
         "number",
@@ -229,6 +230,7 @@ class Entry:
         tangents: tuple[int, ...] = (),
         grads: tuple[bool, ...] = (),
         sources: tuple[tuple[int, int], ...] = (),
+        in_place: tuple[int, ...] = (),
     ) -> None:
         self.number = _PROCESS | next(_numbers)
         self.scope = scope  # the node's precision scope
@@ -238,6 +240,7 @@ class Entry:
         self.tangents = tangents  # the outputs a gradient flows back from, by position
         self.grads = grads  # per input: whether the backward graph returns its gradient
         self.sources = sources  # what the backward takes first: (0, input) or (1, forward output)
+        self.in_place = in_place  # the inputs the forward graph updates where they are (ascending)
         # The node's plain attributes the graphs were traced with (see hold), and its name.
         self.state: tuple[tuple[dict[str, Any], str, object], ...] = ()
         self.watched: list[tuple[dict[str, Any], str]] = []
@@ -273,13 +276,14 @@ def _entry(number: int) -> Entry:
     return entry
 
 
-def build(
+def build(  # noqa: PLR0913  (the trace's inputs, and the updates it may make)
     fn: Callable[..., list[torch.Tensor]],
     values: Sequence[torch.Tensor],
     grad_mask: int,
     scope: Any,
     *,
     updates: tuple[int, ...] = (),
+    in_place: tuple[int, ...] = (),
 ) -> Entry | None:
     """Trace ``fn`` (the node's call over the op's inputs) into compiled graphs, or None where it cannot be.
 
@@ -291,7 +295,9 @@ def build(
     ``updates``: the inputs an inference graph's node updates in place (a static cache's
     keys), exactly those: the graph updates none, it returns their new values first, in
     input order, then ``fn``'s outputs (the caller writes them back). A node that updates
-    any other input, or not those, is not compiled.
+    any other input, or not those, is not compiled. Those of them also in ``in_place`` (a
+    cache's keys and values) the graph updates where they are instead, and does not return:
+    the entry's op is then ``inner_update``, which declares that it writes them.
     """
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
@@ -331,7 +337,11 @@ def build(
         joint_graph_passes(graph)
         n_out = len(meta.output_info)
         if not grad_mask:
-            return Entry(scope, _Graph(graph, is_inference=True), n_out=n_out)
+            if in_place and len(meta.output_info) + len(updated) > len(in_place):  # (an op returns something)
+                _write_in_place(graph, updated, in_place)
+            else:
+                in_place = ()
+            return Entry(scope, _Graph(graph, is_inference=True), n_out=n_out, in_place=in_place)
         tangents = tuple(i for i, o in enumerate(meta.output_info) if o.requires_grad)
         primals = [n for n in graph.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
         tangent_nodes = [n for n in graph.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
@@ -352,6 +362,27 @@ def build(
             grads=grads,
             sources=sources,
         )
+
+
+def _write_in_place(graph: torch.fx.GraphModule, updated: tuple[int, ...], in_place: tuple[int, ...]) -> None:
+    """Make an inference graph write the new values of its ``in_place`` inputs into them, not return them.
+
+    Its outputs start with the new values of the ``updated`` inputs, in input order. As
+    AOTAutograd writes a graph's input updates for Inductor (``copy_`` into the input), which
+    Inductor then makes the update itself (an index_copy of one position, not of the whole).
+    """
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in reversed(graph.graph.nodes) if n.op == "output")
+    values = list(output.args[0])
+    kept = []
+    with graph.graph.inserting_before(output):
+        for i, new in zip(updated, values, strict=False):
+            if i in in_place:
+                graph.graph.call_function(torch.ops.aten.copy_.default, (placeholders[i], new))
+            else:
+                kept.append(new)
+    output.args = ([*kept, *values[len(updated) :]],)
+    graph.recompile()
 
 
 @contextlib.contextmanager
@@ -496,6 +527,34 @@ def _inner_impl(_site: int, number: int, values: list[torch.Tensor]) -> list[tor
         return entry.forward.run(values)
 
 
+def _inner_update_impl(
+    _site: int, number: int, values: list[torch.Tensor], updated: list[torch.Tensor]
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    entry = _entry(number)
+    if not state_holds(entry):
+        _check_state(entry)
+    graph = entry.forward
+    inputs = list(values)
+    moved = []
+    for i, tensor in zip(entry.in_place, updated, strict=True):
+        # The graph writes where it was compiled to: one laid out otherwise runs on a copy
+        # laid out so, written back after.
+        laid = _as_layout(tensor, graph.inputs[i])
+        if laid is not tensor:
+            moved.append((tensor, laid))
+        inputs.insert(i, laid)
+    with entry.scope:
+        out = graph.run(inputs)
+    for tensor, laid in moved:
+        tensor.copy_(laid)
+    return _returned(out)
+
+
+def _returned(out: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    # As the dispatcher takes an op's returns: one tensor, or a tuple of several.
+    return out[0] if len(out) == 1 else tuple(out)
+
+
 def _inner_bwd_impl(_site: int, number: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
     entry = _entry(number)
     backward = cast("_Graph", entry.backward)
@@ -516,6 +575,12 @@ def _inner_fake(_site: int, number: int, _values: list[torch.Tensor]) -> list[to
     return _fake(_entry(number).forward, lambda _: True)
 
 
+def _inner_update_fake(
+    _site: int, number: int, _values: list[torch.Tensor], _updated: list[torch.Tensor]
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    return _returned(_fake(_entry(number).forward, lambda _: True))
+
+
 def _inner_bwd_fake(_site: int, number: int, _values: list[torch.Tensor]) -> list[torch.Tensor]:
     return _fake(cast("_Graph", _entry(number).backward), lambda node: node is not None)
 
@@ -527,6 +592,32 @@ for _name, _kernel, _fake_kernel in (
 ):
     _lib.impl(_name, _kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
     torch.library.register_fake(f"fp32scope::{_name}", _fake_kernel, lib=_lib)
+
+
+_update_ops: dict[int, Any] = {}
+_update_ops_lock = threading.Lock()
+
+
+def _update_op(n_out: int) -> Any:
+    """``inner`` for a graph with ``n_out`` outputs that updates some of its inputs where they are.
+
+    Those inputs (``updated``, taken out of ``values``) the op declares it writes, so the
+    parent's graph hands them over uncopied. One op per number of outputs: torch
+    functionalizes an op that writes its arguments only where it returns single tensors, not
+    a list.
+    """
+    with _update_ops_lock:
+        op = _update_ops.get(n_out)
+        if op is None:
+            name = f"inner_update_{n_out}"
+            returns = ", ".join(["Tensor"] * n_out)
+            _lib.define(  # type: ignore[no-untyped-call]
+                f"{name}(int site, int entry, Tensor[] values, Tensor(a!)[] updated) -> ({returns})"
+            )
+            _lib.impl(name, _inner_update_impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+            torch.library.register_fake(f"fp32scope::{name}", _inner_update_fake, lib=_lib)
+            op = _update_ops[n_out] = getattr(torch.ops.fp32scope, name).default
+        return op
 
 
 class _InnerFunction(torch.autograd.Function):
@@ -559,6 +650,12 @@ class _InnerFunction(torch.autograd.Function):
 
 def apply(entry: Entry, site: int, values: list[torch.Tensor], *, grad: bool) -> list[torch.Tensor]:
     """The entry's op in a graph being traced: its tensor outputs, with their gradient (``grad``)."""
+    if entry.in_place:  # (an inference graph's)
+        moved = set(entry.in_place)
+        rest = [v for i, v in enumerate(values) if i not in moved]
+        n_out = len(entry.forward.outputs)
+        updated = _update_op(n_out)(site, entry.number, rest, [values[i] for i in entry.in_place])
+        return [updated] if n_out == 1 else list(updated)
     if not grad:
         out: list[torch.Tensor] = torch.ops.fp32scope.inner(site, entry.number, values)
         return out
@@ -568,12 +665,15 @@ def apply(entry: Entry, site: int, values: list[torch.Tensor], *, grad: bool) ->
 
 dynamo_exclude.exclude(
     _inner_impl,
+    _inner_update_impl,
+    _inner_update_fake,
     _inner_bwd_impl,
     _inner_fake,
     _inner_bwd_fake,
     _fake,
     _aliased,
     _as_layout,
+    _returned,
     _copy,
     _entry,
     state_holds,

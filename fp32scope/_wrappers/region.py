@@ -82,7 +82,13 @@ import torch
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp32scope._compat import COMPILER_STATE, COMPILING_FLAG, dtensor_type, is_exporting
+from fp32scope._compat import (
+    COMPILER_STATE,
+    COMPILING_FLAG,
+    REGION_OPS_UPDATE_CACHES_IN_PLACE,
+    dtensor_type,
+    is_exporting,
+)
 from fp32scope._errors import Fp32RegionBreakWarning, Fp32ScopeError, user_stacklevel
 from fp32scope._flags import dynamo_exclude
 from fp32scope._flags.scope import EXPORTING_MSG, fp32_precision_scope, wrapper_scope
@@ -160,26 +166,33 @@ class _Layout:
 
 
 class _CarriedArgs:
-    """Where a layout's carried objects are: their argument positions, and their tensors' indices."""
+    """Where a layout's carried objects are: their argument positions, their tensors' indices.
 
-    __slots__ = ("positions", "tensors")
+    ``storage``: the indices of the tensors that are a cache's keys and values
+    (:func:`carriers.storage`).
+    """
 
-    def __init__(self, positions: tuple[int, ...], tensors: tuple[int, ...]) -> None:
+    __slots__ = ("positions", "storage", "tensors")
+
+    def __init__(self, positions: tuple[int, ...], tensors: tuple[int, ...], storage: tuple[int, ...]) -> None:
         self.positions = positions
         self.tensors = tensors
+        self.storage = storage
 
 
 def _carried_args(values: tuple[Any, ...]) -> _CarriedArgs:
     positions: list[int] = []
     indices: list[int] = []
+    storage: list[int] = []
     n = 0
     for position, value in enumerate(values):
         count = sum(isinstance(leaf, torch.Tensor) for leaf in _pytree.tree_flatten(value)[0])
         if carriers.is_marker(value):
             positions.append(position)
             indices.extend(range(n, n + count))
+            storage.extend(n + i for i, is_storage in enumerate(carriers.storage(value)) if is_storage)
         n += count
-    return _CarriedArgs(tuple(positions), tuple(indices))
+    return _CarriedArgs(tuple(positions), tuple(indices), tuple(storage))
 
 
 class _CarriedPlan:
@@ -964,11 +977,13 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
         and inner.wants_inductor()
     ):
         entry = _inner_entry(region, layout, autocast, [*tensors, *params, *buffers], len(tensors), grad=grad)
+    written = () if plan is None else plan.inplace  # the carried tensors to write back
     if entry is not None:
         out = inner.apply(entry, next(_sites), [*tensors, *params, *buffers], grad=grad)
         found: tuple[int, ...] = ()
         if plan is not None:  # the graph returns the tensors updated in place first: moved last, as the op's
-            out = [*out[len(plan.inplace) :], *out[: len(plan.inplace)]]
+            written = tuple(i for i in plan.inplace if i not in entry.in_place)  # (the rest it updated itself)
+            out = [*out[len(written) :], *out[: len(written)]]
     else:
         op = torch.ops.fp32scope.region_grad.default if grad else torch.ops.fp32scope.region.default
         # Every integer of the call in one SymInt[] (each list argument costs the dispatcher
@@ -980,7 +995,7 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
         out = op(key, numbers, [*tensors, *params, *buffers])
         found = region.mutated[region.training_layout()]
         plan = region.carried.get(layout) if layout in region.carried_args else None
-    n_carried = 0 if plan is None else plan.n_outputs
+    n_carried = 0 if plan is None else plan.n_rebound + len(written)
     n_out = len(out) - len(found) - n_carried
     for i, update in zip(found, out[n_out : n_out + len(found)], strict=True):
         buffers[i].copy_(update)
@@ -990,7 +1005,7 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
     # The carried tensors the node updated in place, written back as the buffers are; the
     # new ones go back to traced_region, which binds them on the caller's objects.
     carried = out[len(out) - n_carried :]
-    for i, update in zip(plan.inplace, carried[plan.n_rebound :], strict=True):
+    for i, update in zip(written, carried[plan.n_rebound :], strict=True):
         tensors[i].copy_(update)
     region.last_changes = plan.changes
     return result, list(carried[: plan.n_rebound])
@@ -1080,7 +1095,7 @@ def _inner_entry(  # noqa: PLR0913  (a traced call's state, kept together)
         COMPILER_STATE[COMPILING_FLAG] = True
         try:
             state = inner.node_state(region.module)
-            entry = _build_inner(node, values, grad_mask, region, plan)
+            entry = _build_inner(node, values, grad_mask, region, plan, _in_place(region, layout, plan))
         finally:
             COMPILER_STATE[COMPILING_FLAG] = compiling
         traced = inner.node_state(region.module)
@@ -1090,6 +1105,14 @@ def _inner_entry(  # noqa: PLR0913  (a traced call's state, kept together)
             entry.hold(traced, region.name)
     region.inner[key] = entry
     return entry
+
+
+def _in_place(region: Region, layout: int, plan: _CarriedPlan | None) -> tuple[int, ...]:
+    """The carried tensors a compiled-inside call updates where they are: a cache's keys and values."""
+    if plan is None or not REGION_OPS_UPDATE_CACHES_IN_PLACE:
+        return ()
+    storage = region.carried_args[layout].storage
+    return tuple(i for i in plan.inplace if i in storage)
 
 
 def _rebound_as_planned(region: Region, plan: _CarriedPlan, objects: list[tuple[Any, Any]]) -> list[torch.Tensor]:
@@ -1104,19 +1127,20 @@ def _rebound_as_planned(region: Region, plan: _CarriedPlan, objects: list[tuple[
     return tensors
 
 
-def _build_inner(
+def _build_inner(  # noqa: PLR0913, PLR0917  (inner.build's, and the call's plan)
     node: Callable[..., list[torch.Tensor]],
     values: list[torch.Tensor],
     grad_mask: int,
     region: Region,
     plan: _CarriedPlan | None,
+    in_place: tuple[int, ...],
 ) -> inner.Entry | None:
     if plan is None:
         return inner.build(node, values, grad_mask, region.scope)
     # A carried cache runs its own code (transformers', any release) in the node: where that
     # cannot be traced into a graph, the eager region runs it, as it ran before.
     try:
-        return inner.build(node, values, grad_mask, region.scope, updates=plan.inplace)
+        return inner.build(node, values, grad_mask, region.scope, updates=plan.inplace, in_place=in_place)
     except Exception:  # noqa: BLE001  (any failure of the trace: the eager region is always right)
         return None
 

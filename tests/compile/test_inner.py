@@ -16,10 +16,12 @@ import torch
 from torch._dynamo.utils import counters
 
 from fp32scope import Fp32Precision, Fp32ScopedModule, Fp32ScopeError, current_fp32_precision, set_process_default
+from fp32scope._compat import REGION_OPS_UPDATE_CACHES_IN_PLACE
 from tests._support import probe as _probe
 from tests._support.common import DEFAULT, FULL
 from tests._support.compiled import forbid_recompiles, python_frames
 from tests._support.probe import phases, probe
+from tests._support.releases import TORCH_RELEASE
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -405,3 +407,39 @@ def test_a_compiled_inside_node_backward_takes_its_inputs_themselves_not_copies_
     assert not any(node.op == "placeholder" or inner._is_view(node) for node in outputs)
     taken = {index for kind, index in entry.sources if kind == 0}
     assert taken >= {0, 1, 3}  # the input, and both weights (the op's inputs: x, w1, b1, w2, b2)
+
+
+def _write_column(k: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
+    k.select(1, 2).copy_(probe(x, "node"))  # as a static cache's update: one position of a bigger tensor
+    return [k.sum(1) * 2]
+
+
+@pytest.mark.skipif(
+    not REGION_OPS_UPDATE_CACHES_IN_PLACE, reason=f"torch {TORCH_RELEASE}: regions copy what they update in place"
+)
+@pytest.mark.parametrize("layout", ["as compiled", "transposed"])
+def test_a_compiled_inside_graph_writes_the_inputs_it_updates_in_place_where_they_are(layout: str) -> None:
+    # An inference graph built to update its input in place (a cache's keys): its op writes
+    # the caller's tensor itself and returns only the node's outputs, in the node's
+    # precision. A tensor laid out otherwise than compiled for runs on a copy laid out so,
+    # written back after.
+    from fp32scope._flags.scope import wrapper_scope
+    from fp32scope._wrappers import inner
+
+    set_process_default(DEFAULT)
+    example = torch.zeros(4, 8)
+    entry = inner.build(
+        _write_column, [example, torch.zeros(4)], 0, wrapper_scope(FULL, "node"), updates=(0,), in_place=(0,)
+    )
+    assert entry is not None
+    assert entry.in_place == (0,)
+    k = torch.randn(4, 8) if layout == "as compiled" else torch.randn(8, 4).t()
+    x = torch.randn(4)
+    want_k = k.clone()
+    want = _write_column(want_k, x)
+    _probe.SEEN.clear()
+    (out,) = [inner._update_op(1)(0, entry.number, [x], [k])]
+    assert phases("fwd")["node"] == [FULL]
+    assert torch.equal(k, want_k)
+    close(out, want[0])
+    assert current_fp32_precision() == DEFAULT

@@ -29,11 +29,13 @@ import torch
 from torch._dynamo.utils import counters
 
 from fp32scope import current_fp32_precision, scope_modules, set_process_default
+from fp32scope._compat import REGION_OPS_UPDATE_CACHES_IN_PLACE
 from fp32scope._wrappers import carriers
 from tests._support import probe as _probe
 from tests._support.common import DEFAULT, FULL
 from tests._support.hf import ATTENTIONS, probe_attentions
 from tests._support.probe import phases
+from tests._support.releases import TORCH_RELEASE
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -225,3 +227,59 @@ def test_a_decode_attention_is_compiled_inside_with_a_static_cache_and_eager_wit
                 assert torch.equal(ids, want.logits[:, -1:].argmax(-1)), f"tokens, run {run}, step {step}"
     assert current_fp32_precision() == DEFAULT
     assert sum(counters["graph_break"].values()) == 0
+
+
+def _cache_sized_allocations(model: Any, scoped: bool) -> tuple[list[int], int]:
+    """A compiled static-cache decode step's allocations the size of a layer's keys or values; that size.
+
+    Prefill and two decode steps first (compiled, warm), then one step profiled with the
+    allocator's records.
+    """
+    from transformers import StaticCache
+
+    if scoped:
+        scope_modules(model, {ATTENTIONS_PATTERNS[type(model).__name__]: KEPT})
+    compiled: Callable[..., Any] = torch.compile(model.forward, fullgraph=True)
+    cache = StaticCache(config=model.config, max_cache_len=256)  # keys far bigger than anything else of a step
+    ids = torch.randint(0, model.config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+    start = 0
+    with torch.no_grad():
+        for step in range(4):
+            kwargs = {"input_ids": ids, "cache": cache, "use_cache": True}
+            kwargs["position_ids"] = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
+            if step < 3:
+                out = compiled(**kwargs)
+            else:
+                with torch.profiler.profile(profile_memory=True) as profile:
+                    out = compiled(**kwargs)
+            start += ids.shape[1]
+            ids = out.logits[:, -1:].argmax(-1)
+    sizes = {cache.layers[0].keys.nbytes, cache.layers[0].values.nbytes}
+    records = [e.nbytes() for e in profile.profiler.kineto_results.events() if e.name() == "[memory]"]
+    # Exactly their size: a copy of a layer's keys (a grouped-query attention's repeated
+    # keys are larger).
+    return [n for n in records if n in sizes], max(sizes)
+
+
+ATTENTIONS_PATTERNS = {"LlamaForCausalLM": ATTENTIONS["llama"][1], "GPT2LMHeadModel": ATTENTIONS["gpt2"][1]}
+
+
+@pytest.mark.skipif(
+    not REGION_OPS_UPDATE_CACHES_IN_PLACE,
+    reason=f"torch {TORCH_RELEASE}: a region copies the static cache's keys and values into its op and back",
+)
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_static_cache_decode_step_allocates_no_copy_of_a_cache_layer(name: str) -> None:
+    # A decode step's attention, compiled inside its region, updates the static cache's keys
+    # and values where they are (one position), as the plain compiled model does: no tensor
+    # the size of a layer's keys or values is allocated in the step, by the region (new
+    # keys) or by the parent (which would copy them back). The same step without fp32scope
+    # checks the premise: the plain model allocates none either.
+    build = ATTENTIONS[name][0]
+    set_process_default(DEFAULT)
+    plain, size = _cache_sized_allocations(build(), scoped=False)
+    assert plain == [], f"the plain compiled model allocated {plain} (a layer's keys: {size} bytes)"
+    torch._dynamo.reset()
+    scoped, size = _cache_sized_allocations(build(), scoped=True)
+    assert scoped == [], f"a scoped decode step allocated {scoped} bytes (a layer's keys: {size} bytes)"
+    assert current_fp32_precision() == DEFAULT
