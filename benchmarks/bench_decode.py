@@ -14,7 +14,12 @@ heads, 2 key-value heads), batch 1, a 16-token prompt, its ``forward`` compiled
   it runs inside its op as eager code does;
 - scoped, hooked (static cache only): scoped as above, each attention with a forward hook
   that does nothing, which keeps it eager inside its op (hooks run at every call): what
-  compiling the attention inside saves.
+  compiling the attention inside saves;
+- scoped, copied (static cache only, where torch >= 2.13 lets a compiled-inside attention
+  update the cache's keys and values where they are): scoped as above, compiled with that
+  turned off (a private switch of fp32scope), so that the keys and values leave its op as
+  new tensors and are copied back into the cache, as on earlier releases: what updating
+  them in place saves.
 
 The process default is full float32 too, so both run the same matmuls and a difference is
 what the scoping costs. For each: the median over ``--repeats`` interleaved rounds of the
@@ -55,7 +60,7 @@ from torch.utils import _pytree
 
 import fp32scope
 from fp32scope import Fp32Precision, scope_modules
-from fp32scope._wrappers import carriers, layouts
+from fp32scope._wrappers import carriers, layouts, region
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
@@ -177,9 +182,13 @@ def _no_op_hook(_module: torch.nn.Module, _args: object, _output: object) -> Non
     return None
 
 
-def prepared(kind: str, scoped: bool, args: argparse.Namespace, *, hooked: bool = False) -> Variant:
+def prepared(
+    kind: str, scoped: bool, args: argparse.Namespace, *, hooked: bool = False, copied: bool = False
+) -> Variant:
     """A variant compiled and warm, checked (exits 1): no graph break, only the Python frames meant to run."""
-    name = f"{kind} cache, {'scoped' if scoped else 'plain'}{', hooked' if hooked else ''}"
+    name = (
+        f"{kind} cache, {'scoped' if scoped else 'plain'}{', hooked' if hooked else ''}{', copied' if copied else ''}"
+    )
     model = build(args.layers)
     if scoped:
         scope_modules(model, {ATTENTIONS: FULL})
@@ -188,8 +197,13 @@ def prepared(kind: str, scoped: bool, args: argparse.Namespace, *, hooked: bool 
             layer.self_attn.register_forward_hook(_no_op_hook)
     variant = Variant(model, kind, args.cache_length)
     counters.clear()
-    for _ in range(2):  # compile prompt and decode graphs (dynamic: sizes marked dynamic)
-        variant.decode(args.steps)
+    in_place = region.update_caches_in_place
+    region.update_caches_in_place = in_place and not copied  # read when a graph is traced
+    try:
+        for _ in range(2):  # compile prompt and decode graphs (dynamic: sizes marked dynamic)
+            variant.decode(args.steps)
+    finally:
+        region.update_caches_in_place = in_place
     breaks = sum(counters["graph_break"].values())
     with torch.no_grad():
         token = variant.restart()
@@ -204,6 +218,19 @@ def prepared(kind: str, scoped: bool, args: argparse.Namespace, *, hooked: bool 
         )
         raise SystemExit(1)
     return variant
+
+
+def all_prepared(args: argparse.Namespace) -> dict[str, Variant]:
+    """Every variant the arguments ask for, by name, compiled, warm and checked."""
+    variants: dict[str, Variant] = {}
+    for kind in args.caches.split(","):
+        variants[f"{kind} cache, plain"] = prepared(kind, False, args)
+        variants[f"{kind} cache, scoped"] = prepared(kind, True, args)
+        if kind == "static":
+            variants[f"{kind} cache, scoped, hooked"] = prepared(kind, True, args, hooked=True)
+            if region.update_caches_in_place:
+                variants[f"{kind} cache, scoped, copied"] = prepared(kind, True, args, copied=True)
+    return variants
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,12 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     for limit in ("recompile_limit", "cache_size_limit"):
         if limit in torch._dynamo.config._config:  # type: ignore[attr-defined]
             setattr(torch._dynamo.config, limit, 256)
-    variants: dict[str, Variant] = {}
-    for kind in args.caches.split(","):
-        variants[f"{kind} cache, plain"] = prepared(kind, False, args)
-        variants[f"{kind} cache, scoped"] = prepared(kind, True, args)
-        if kind == "static":
-            variants[f"{kind} cache, scoped, hooked"] = prepared(kind, True, args, hooked=True)
+    variants = all_prepared(args)
     frames = counters["frames"]["total"]
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.repeats):

@@ -10,7 +10,8 @@ static layer's first allocation) leave the op as outputs, constants (``is_initia
 ``device``, a static layer's sizes) as the layout's constants; :func:`write_back`, traced
 by Dynamo after the op, sets them on the caller's cache. Tensors the node updates in place
 (a static layer's ``keys``, ``values`` and ``cumulative_length``) are the region's to write
-back (``copy_``); a cache that grows (``DynamicCache()`` adds a layer on its first update of
+back (``copy_``), but for the keys and values a compiled-inside graph writes where they are
+(:func:`storage`); a cache that grows (``DynamicCache()`` adds a layer on its first update of
 that layer) grows the caller's cache the same way.
 
 Only these exact classes are carried, by name, each with the attributes its methods read,

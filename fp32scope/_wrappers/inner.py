@@ -297,7 +297,7 @@ def build(  # noqa: PLR0913  (the trace's inputs, and the updates it may make)
     input order, then ``fn``'s outputs (the caller writes them back). A node that updates
     any other input, or not those, is not compiled. Those of them also in ``in_place`` (a
     cache's keys and values) the graph updates where they are instead, and does not return:
-    the entry's op is then ``inner_update``, which declares that it writes them.
+    the entry's op is then ``inner_update_N``, which declares that it writes them.
     """
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
@@ -337,7 +337,8 @@ def build(  # noqa: PLR0913  (the trace's inputs, and the updates it may make)
         joint_graph_passes(graph)
         n_out = len(meta.output_info)
         if not grad_mask:
-            if in_place and len(meta.output_info) + len(updated) > len(in_place):  # (an op returns something)
+            # (An op that writes its arguments returns at least one tensor here: see _update_op.)
+            if in_place and len(meta.output_info) + len(updated) > len(in_place):
                 _write_in_place(graph, updated, in_place)
             else:
                 in_place = ()
@@ -367,9 +368,10 @@ def build(  # noqa: PLR0913  (the trace's inputs, and the updates it may make)
 def _write_in_place(graph: torch.fx.GraphModule, updated: tuple[int, ...], in_place: tuple[int, ...]) -> None:
     """Make an inference graph write the new values of its ``in_place`` inputs into them, not return them.
 
-    Its outputs start with the new values of the ``updated`` inputs, in input order. As
-    AOTAutograd writes a graph's input updates for Inductor (``copy_`` into the input), which
-    Inductor then makes the update itself (an index_copy of one position, not of the whole).
+    Its outputs start with the new values of the ``updated`` inputs, in input order. The
+    graph ends with a ``copy_`` into each of them instead, the form AOTAutograd gives
+    Inductor for a graph's input updates, which Inductor turns into the update itself: one
+    position of a cache written, not the whole cache copied.
     """
     placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
     output = next(n for n in reversed(graph.graph.nodes) if n.op == "output")
@@ -519,10 +521,15 @@ def _check_state(entry: Entry) -> None:
         raise Fp32ScopeError(msg)
 
 
-def _inner_impl(_site: int, number: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
+def _checked_entry(number: int) -> Entry:
     entry = _entry(number)
     if not state_holds(entry):
         _check_state(entry)
+    return entry
+
+
+def _inner_impl(_site: int, number: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    entry = _checked_entry(number)
     with entry.scope:
         return entry.forward.run(values)
 
@@ -530,9 +537,7 @@ def _inner_impl(_site: int, number: int, values: list[torch.Tensor]) -> list[tor
 def _inner_update_impl(
     _site: int, number: int, values: list[torch.Tensor], updated: list[torch.Tensor]
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    entry = _entry(number)
-    if not state_holds(entry):
-        _check_state(entry)
+    entry = _checked_entry(number)
     graph = entry.forward
     inputs = list(values)
     moved = []
@@ -676,6 +681,7 @@ dynamo_exclude.exclude(
     _returned,
     _copy,
     _entry,
+    _checked_entry,
     state_holds,
     _check_state,
     _Graph.run,

@@ -106,6 +106,11 @@ _CONSTANTS: Final = (type(None), bool, int, float, str, torch.dtype, torch.devic
 _UNKNOWN: Final = -1  # "which buffers it updates is not known yet": the fake run finds out
 _TAG: Final = "fp32scope region "
 
+#: Whether a compiled-inside call updates a cache's keys and values where they are (where
+#: torch allows it), read when a graph is traced. ``benchmarks/bench_decode.py`` turns it
+#: off for one variant, to measure the copies it saves.
+update_caches_in_place = REGION_OPS_UPDATE_CACHES_IN_PLACE
+
 _numbers = itertools.count(1)
 # A region's number is this process's: Inductor's and AOTAutograd's caches, on disk, serve a
 # graph compiled by another process to a graph that reads the same, and a number that meant
@@ -692,9 +697,11 @@ def _copy_carried(op: _Op, *, fake: bool, copy: bool) -> tuple[int, ...]:
     real one. (Training's aliases are copies already.)
 
     Copies, not an op that declares the tensors it updates (``Tensor(a!)``, which Inductor
-    hands over uncopied): with one, Inductor on torch 2.13 recomputed a Llama attention
-    mask from a static cache's length after the op had updated it, and the logits of the
-    next layers were wrong (AOTAutograd alone gave the right ones).
+    hands over uncopied): with one declaring every tensor updated, Inductor on torch 2.13
+    recomputed a Llama attention mask from a static cache's length after the op had updated
+    it, and the logits of the next layers were wrong (AOTAutograd alone gave the right
+    ones). A call compiled inside declares only the cache's keys and values, which nothing
+    but the attentions reads (``inner.build``'s ``in_place``).
     """
     where = op.region.carried_args.get(op.layout)
     inplace = () if where is None else where.tensors if fake else op.region.carried[op.layout].inplace
@@ -1109,7 +1116,7 @@ def _inner_entry(  # noqa: PLR0913  (a traced call's state, kept together)
 
 def _in_place(region: Region, layout: int, plan: _CarriedPlan | None) -> tuple[int, ...]:
     """The carried tensors a compiled-inside call updates where they are: a cache's keys and values."""
-    if plan is None or not REGION_OPS_UPDATE_CACHES_IN_PLACE:
+    if plan is None or not update_caches_in_place:
         return ()
     storage = region.carried_args[layout].storage
     return tuple(i for i in plan.inplace if i in storage)

@@ -298,7 +298,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "a compiled-inside cache region's updated tensors written back from the wrong outputs",
         REGION,
-        "            out = [*out[len(plan.inplace) :], *out[: len(plan.inplace)]]",
+        "            out = [*out[len(written) :], *out[: len(written)]]",
         "            out = list(out)",
     ),
     Mutant(
@@ -324,6 +324,30 @@ MUTANTS: tuple[Mutant, ...] = (
         LAYOUTS,
         'return f"n[{self.ints - 1}]"',
         'return f"n[{self.ints}]"',
+    ),
+    Mutant(
+        "a compiled-inside static cache's keys and values are copied into the op and back",
+        REGION,
+        "    return tuple(i for i in plan.inplace if i in storage)",
+        "    return ()",
+    ),
+    Mutant(
+        "a compiled-inside graph does not write the inputs it updates in place",
+        INNER,
+        "                graph.graph.call_function(torch.ops.aten.copy_.default, (placeholders[i], new))",
+        "                pass",
+    ),
+    Mutant(
+        "an input updated in place but laid out otherwise is not written back",
+        INNER,
+        "        tensor.copy_(laid)",
+        "        pass",
+    ),
+    Mutant(
+        "every tensor of a cache is taken for its keys and values",
+        CARRIERS,
+        "        field in _STORAGE\n",
+        "        True\n",
     ),
     Mutant(
         "eager nodes are compiled inside",
