@@ -159,7 +159,7 @@ DYNAMO_ENTERS_SCOPES_MADE_OUTSIDE: Final[bool] = _release_at_least(2, 14)
 #: (``Tensor(a!)[]``) under Inductor, so that a static cache's keys and values are written
 #: where they are, not copied into the op and back. Checked on 2.13 and 2.15 (logits,
 #: tokens and caches against the eager scoped model, tests/compile/test_region_caches.py);
-#: not on releases between 2.4 and 2.13, which copy, as 2.4 does.
+#: 2.5 to 2.12 are not checked and copy, as 2.4 does.
 REGION_OPS_UPDATE_CACHES_IN_PLACE: Final[bool] = _release_at_least(2, 13)
 
 COMPILING_FLAG: Final = "_is_compiling_flag"

@@ -97,8 +97,8 @@ _STORAGE: Final = ("keys", "values")
 def storage(marker: tuple[Any, ...]) -> list[bool]:
     """For each tensor of a marker, in order: whether it is a layer's keys or values.
 
-    Those are the cache's storage, which only the attentions read: a region may update them
-    where they are. Anything else (a static layer's ``cumulative_length``, which a model
+    Those are the cache's storage, which transformers' models read only in their attentions:
+    a region may update them where they are. Anything else (a static layer's ``cumulative_length``, which a model
     reads for its mask before its layers run) leaves the op as a new tensor.
     """
     _, _, _, layers = marker

@@ -700,8 +700,8 @@ def _copy_carried(op: _Op, *, fake: bool, copy: bool) -> tuple[int, ...]:
     hands over uncopied): with one declaring every tensor updated, Inductor on torch 2.13
     recomputed a Llama attention mask from a static cache's length after the op had updated
     it, and the logits of the next layers were wrong (AOTAutograd alone gave the right
-    ones). A call compiled inside declares only the cache's keys and values, which nothing
-    but the attentions reads (``inner.build``'s ``in_place``).
+    ones). A call compiled inside declares only the cache's keys and values, which
+    transformers' models read only in their attentions (``inner.build``'s ``in_place``).
     """
     where = op.region.carried_args.get(op.layout)
     inplace = () if where is None else where.tensors if fake else op.region.carried[op.layout].inplace
