@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,7 @@ from tests._support.advise_models import tiny_mixtral
 from tests._support.probe import probe
 from tests._support.releases import TORCH_RELEASE
 
-__all__ = ["ATTENTIONS", "gpt2_unavailable", "probe_attentions", "tiny_gpt2", "tiny_llama"]
+__all__ = ["ATTENTIONS", "cache_argument", "gpt2_unavailable", "probe_attentions", "tiny_gpt2", "tiny_llama"]
 
 
 def gpt2_unavailable() -> str | None:
@@ -31,6 +32,17 @@ def gpt2_unavailable() -> str | None:
     if not transformers.is_torch_available():  # transformers 5.x disables its models for torch < 2.6
         return f"transformers {transformers.__version__} does not run its models on torch {TORCH_RELEASE}"
     return None
+
+
+def cache_argument(model: Any) -> str:
+    """The name under which ``model``'s ``forward`` takes a KV cache: ``cache`` (transformers >= 5.25) or the old one.
+
+    Passed under the other name the cache would go into the forward's ``**kwargs``, unused,
+    and the model would run with a cache of its own (as on Python 3.10, where transformers
+    5.20 is the newest).
+    """
+    names = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in names else "past_key_values"
 
 
 def tiny_gpt2() -> Any:

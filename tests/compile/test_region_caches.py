@@ -33,7 +33,7 @@ from fp32scope._compat import REGION_OPS_UPDATE_CACHES_IN_PLACE
 from fp32scope._wrappers import carriers
 from tests._support import probe as _probe
 from tests._support.common import DEFAULT, FULL
-from tests._support.hf import ATTENTIONS, probe_attentions
+from tests._support.hf import ATTENTIONS, cache_argument, probe_attentions
 from tests._support.probe import phases
 from tests._support.releases import TORCH_RELEASE
 
@@ -58,6 +58,7 @@ def _cache(kind: str, model: Any) -> Any:
 
 
 def _assert_caches_equal(got: Any, want: Any, step: int) -> None:
+    assert got.get_seq_length() > 0, f"step {step}: the model did not use the cache it was given"
     assert len(got.layers) == len(want.layers)
     for i, (mine, theirs) in enumerate(zip(got.layers, want.layers, strict=True)):
         assert type(mine) is type(theirs)
@@ -82,6 +83,7 @@ def test_attentions_as_regions_carry_the_cache_through_prefill_and_decode(name: 
     scope_modules(model, {pattern: KEPT}, in_graph=True)
     scope_modules(twin, {pattern: KEPT})
     compiled: Callable[..., Any] = torch.compile(model.forward, fullgraph=True)
+    name_of_cache = cache_argument(model)
     cache, twin_cache = _cache(kind, model), _cache(kind, twin)
     ids = torch.randint(0, model.config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(0))
     start = 0
@@ -89,10 +91,10 @@ def test_attentions_as_regions_carry_the_cache_through_prefill_and_decode(name: 
         for step in range(1 + STEPS):
             positions = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
             _probe.SEEN.clear()
-            got = compiled(input_ids=ids, cache=cache, use_cache=True, position_ids=positions)
+            got = compiled(input_ids=ids, **{name_of_cache: cache}, use_cache=True, position_ids=positions)
             assert phases("fwd")["attention"] == [FULL] * n_attentions  # each attention, in its precision
             assert current_fp32_precision() == DEFAULT
-            want = twin(input_ids=ids, cache=twin_cache, use_cache=True, position_ids=positions)
+            want = twin(input_ids=ids, **{name_of_cache: twin_cache}, use_cache=True, position_ids=positions)
             torch.testing.assert_close(got.logits, want.logits, msg=f"logits, step {step}")
             _assert_caches_equal(cache, twin_cache, step)
             start += ids.shape[1]
@@ -205,6 +207,7 @@ def test_a_decode_attention_is_compiled_inside_with_a_static_cache_and_eager_wit
     scope_modules(model, {pattern: KEPT})
     scope_modules(twin, {pattern: KEPT})
     compiled: Callable[..., Any] = torch.compile(model.forward, fullgraph=True, dynamic=kind == "dynamic" or None)
+    name_of_cache = cache_argument(model)
     prompt = torch.randint(0, model.config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for run in range(2):  # the first compiles each step's graph; the second runs them
@@ -213,13 +216,13 @@ def test_a_decode_attention_is_compiled_inside_with_a_static_cache_and_eager_wit
             for step in range(1 + STEPS):
                 positions = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
                 _probe.SEEN.clear()
-                kwargs = {"input_ids": ids, "cache": cache, "use_cache": True, "position_ids": positions}
+                kwargs = {"input_ids": ids, name_of_cache: cache, "use_cache": True, "position_ids": positions}
                 got, frames = _attention_frames(attentions, functools.partial(compiled, **kwargs))
                 assert phases("fwd")["attention"] == [FULL] * len(attentions), f"run {run}, step {step}"
                 if run == 1 and step > 0:
                     python_runs = len(attentions) if kind == "dynamic" else 0
                     assert frames == python_runs, f"decode step {step}: the attentions ran their Python {frames} times"
-                want = twin(input_ids=ids, cache=twin_cache, use_cache=True, position_ids=positions)
+                want = twin(input_ids=ids, **{name_of_cache: twin_cache}, use_cache=True, position_ids=positions)
                 torch.testing.assert_close(got.logits, want.logits, msg=f"logits, run {run}, step {step}")
                 _assert_caches_equal(cache, twin_cache, step)
                 start += ids.shape[1]
@@ -240,12 +243,13 @@ def _cache_sized_allocations(model: Any, scoped: bool) -> tuple[list[int], int]:
     if scoped:
         scope_modules(model, {ATTENTIONS_PATTERNS[type(model).__name__]: KEPT})
     compiled: Callable[..., Any] = torch.compile(model.forward, fullgraph=True)
+    name_of_cache = cache_argument(model)
     cache = StaticCache(config=model.config, max_cache_len=256)  # keys far bigger than anything else of a step
     ids = torch.randint(0, model.config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(0))
     start = 0
     with torch.no_grad():
         for step in range(4):
-            kwargs = {"input_ids": ids, "cache": cache, "use_cache": True}
+            kwargs = {"input_ids": ids, name_of_cache: cache, "use_cache": True}
             kwargs["position_ids"] = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
             if step < 3:
                 out = compiled(**kwargs)
