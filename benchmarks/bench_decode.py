@@ -31,7 +31,8 @@ It also times what a region op's kernel does at every call carrying the cache: r
 the attention's arguments, with torch's pytree and with the code fp32scope generates for
 the layout (``--layers`` and 32 layers).
 
-Checked before timing, on decode steps, and it exits 1 otherwise: no graph break; no Python
+Checked before timing, on decode steps, and it exits 1 otherwise: the scoped static-cache
+attentions update the keys and values where they are, and the copied ones do not; no graph break; no Python
 ``forward`` of the model, its decoder layers or their MLPs ran (the graph runs them), nor
 of an attention, except in the hooked variant and the scoped one with the dynamic cache
 (inside their ops); the
@@ -217,6 +218,21 @@ def prepared(
             file=sys.stderr,
         )
         raise SystemExit(1)
+    if scoped and kind == "static" and not hooked:
+        # What "compiled inside" means for the cache: its keys and values updated where they
+        # are, or (copied) leaving the op as new tensors; checked on the decode graphs' entries.
+        entries = [
+            entry
+            for layer in model.model.layers
+            for entry in layer.self_attn._self_region.inner.values()
+            if entry is not None
+        ]
+        in_place = any(entry.in_place for entry in entries)
+        if in_place != (region.update_caches_in_place and not copied):
+            print(
+                f"error: {name}: keys and values updated in place: {in_place}, not as the variant says", file=sys.stderr
+            )
+            raise SystemExit(1)
     return variant
 
 
