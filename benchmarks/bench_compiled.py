@@ -46,6 +46,7 @@ module that should run compiled ran. What runs eagerly by design, and is allowed
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -54,7 +55,7 @@ import types
 import warnings
 from collections import Counter
 from collections.abc import Callable
-from typing import NamedTuple, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch._dynamo
@@ -243,6 +244,81 @@ def check(name: str, built: Built, train: Callable[[], None], infer: Callable[[]
     return seen
 
 
+def _laid_out(graph: Any) -> list[torch.Tensor]:
+    """Random tensors laid out as ``graph`` (an entry's compiled graph) was compiled for."""
+    return [
+        torch.randn(size, dtype=example.dtype).as_strided(size, stride)
+        for (size, stride), example in zip(graph.inputs, graph.example, strict=True)
+    ]
+
+
+def _new_tensor(_site: int, _entry: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty_like(values[0])]
+
+
+def _fresh_list_call(fn: Callable[[list[Any]], object], values: list[torch.Tensor]) -> object:
+    return fn(list(values))
+
+
+def op_overheads(model: torch.nn.Module, x: torch.Tensor, repeats: int) -> dict[str, tuple[float, float]]:
+    """What a region's op adds to its node's compiled code per call, in a tight loop: ``{op: (code, op)}`` us.
+
+    Reads fp32scope's private entry table on purpose: each region of ``model`` (warm, one
+    scoped block) has an entry for its ``no_grad`` layout and one for training, and the op
+    the parent's code calls (``fp32scope::inner``, ``inner_fwd``, ``inner_bwd``) is timed
+    against the entry's compiled graph called alone on the same inputs; and, as the floor,
+    an op of the same schema whose kernel only returns a new tensor, against that kernel
+    called as a Python function. Both numbers are
+    medians of ``repeats`` loops of 200 calls. The difference is the dispatcher, the scope,
+    the state and stride checks; in the model the same calls run with caches cold from the
+    node's kernels, and cost more (see the guide).
+    """
+    from fp32scope._wrappers import inner
+
+    train, infer = measure(model, x)
+    train()
+    infer()
+    entries = [entry for ref in list(inner._entries.values()) if (entry := ref()) is not None]
+    pairs: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {}
+    for entry in entries:
+        graphs = [("inner" if entry.backward is None else "inner_fwd", entry.forward)]
+        if entry.backward is not None:
+            graphs.append(("inner_bwd", entry.backward))
+        for name, graph in graphs:
+            if graph.fast is None:
+                continue  # never ran (a layout traced but not called warm)
+            values = _laid_out(graph)
+            op = getattr(torch.ops.fp32scope, name).default
+            fast = graph.fast
+            # The compiled code empties the list it is given: a fresh list per call, as the op's kernel makes.
+            pairs[name] = (
+                functools.partial(_fresh_list_call, fast, values),
+                functools.partial(op, 0, entry.number, values),
+            )
+    wanted = {"inner", "inner_fwd", "inner_bwd"}
+    if set(pairs) != wanted:
+        found = sorted(pairs)
+        print(f"error: expected the region ops {sorted(wanted)} in the warm model, found {found}", file=sys.stderr)
+        raise SystemExit(1)
+    # The floor: an op of the same schema whose Python kernel only returns a new tensor.
+    floor = torch.library.Library("fp32scope_bench", "FRAGMENT")  # type: ignore[no-untyped-call]
+    floor.define("new_tensor(int site, int entry, Tensor[] values) -> Tensor[]")  # type: ignore[no-untyped-call]
+    floor.impl("new_tensor", _new_tensor, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+    values = _laid_out(entries[0].forward)
+    new_tensor = torch.ops.fp32scope_bench.new_tensor.default
+    pairs["a do-nothing op"] = (
+        functools.partial(_new_tensor, 0, 0, values),
+        functools.partial(new_tensor, 0, 0, values),
+    )
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in pairs}
+    with torch.no_grad():
+        for _ in range(repeats):
+            for name, (code, op) in pairs.items():
+                for fn, into in ((code, times[name][0]), (op, times[name][1])):
+                    into.append(timeit.Timer(fn).timeit(number=200) / 200 * 1e6)
+    return {name: (statistics.median(code), statistics.median(op)) for name, (code, op) in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915  (one flat script)
     """Build, compile, check, measure; print the figures (and JSON with ``--json``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -339,8 +415,23 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915 
             ratio = med[f"regional, {scoped} scoped: {what}"] / med[f"whole-model, {scoped} scoped: {what}"]
             per_node[f"regional / whole-model, {what}, {scoped} scoped"] = ratio
             print(f"  {scoped} scoped, {what}: {ratio:.2f}")
+    overheads = op_overheads(checked[label("in-graph", 1)][0].model, x, args.repeats)
+    print("a region's op against its node's compiled code alone, tight loop, us per call (median of loops x 200):")
+    for name, (code, op) in overheads.items():
+        what = name if name.startswith("a ") else f"fp32scope::{name}"
+        kernel = "its Python kernel" if name.startswith("a ") else "compiled code"
+        print(f"  {what}: {kernel} {code:.1f}, op {op:.1f}, added {op - code:.1f}")
+    added = {name: op - code for name, (code, op) in overheads.items()}
+    step = added["inner_fwd"] + added["inner_bwd"]
+    print(f"  added per no_grad call {added['inner']:.1f}, per training step (forward and backward op) {step:.1f}")
     if args.json:
-        report = {"median_us": med, "graphs": graphs, "python_forwards": eager, "per_scoped_node_us": per_node}
+        report = {
+            "median_us": med,
+            "graphs": graphs,
+            "python_forwards": eager,
+            "per_scoped_node_us": per_node,
+            "op_overhead_us": overheads,
+        }
         print(json.dumps(report, indent=2))
     return 0
 

@@ -18,7 +18,7 @@ TINY = ("--number", "4", "--repeats", "1")
         ("bench_scope.py", TINY, "each feature's cost per scoped call"),
         ("bench_training.py", TINY, "fp32scope's overhead"),
         # (These two also exit 1 when what they time as compiled runs a Python forward it should not.)
-        ("bench_compiled.py", TINY, "Python forward frames in a warm train step"),
+        ("bench_compiled.py", TINY, "a region's op against its node's compiled code alone"),
         (
             "bench_decode.py",
             ("--layers", "1", "--cache-length", "64", "--steps", "2", "--repeats", "1", "--caches", "static"),
