@@ -263,15 +263,16 @@ def _fresh_list_call(fn: Callable[[list[Any]], object], values: list[torch.Tenso
 def op_overheads(model: torch.nn.Module, x: torch.Tensor, repeats: int) -> dict[str, tuple[float, float]]:
     """What a region's op adds to its node's compiled code per call, in a tight loop: ``{op: (code, op)}`` us.
 
-    Reads fp32scope's private entry table on purpose: each region of ``model`` (warm, one
-    scoped block) has an entry for its ``no_grad`` layout and one for training, and the op
-    the parent's code calls (``fp32scope::inner``, ``inner_fwd``, ``inner_bwd``) is timed
+    Reads fp32scope's private entry table on purpose. ``model`` (one scoped block) is run
+    once more, so that its region has a warm entry for its ``no_grad`` layout and one for
+    training (entries of other variants' regions are alike: every block is the same). The
+    op the parent's code calls (``fp32scope::inner``, ``inner_fwd``, ``inner_bwd``) is timed
     against the entry's compiled graph called alone on the same inputs; and, as the floor,
-    an op of the same schema whose kernel only returns a new tensor, against that kernel
-    called as a Python function. Both numbers are
-    medians of ``repeats`` loops of 200 calls. The difference is the dispatcher, the scope,
-    the state and stride checks; in the model the same calls run with caches cold from the
-    node's kernels, and cost more (see the guide).
+    an op of the same schema whose kernel only returns a new tensor against that kernel
+    called as a Python function. Both numbers are medians of ``repeats`` loops of 200 calls.
+    The difference is the dispatcher, the scope, the state and stride checks; in the model
+    the same calls run with caches cold from the node's kernels, and cost more (see the
+    guide).
     """
     from fp32scope._wrappers import inner
 
