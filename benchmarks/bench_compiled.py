@@ -26,6 +26,10 @@ it skips the stack's frame instead, is not counted), the Python ``forward`` fram
 call ran, and the cost per scoped node: the median over rounds of (time with n scoped -
 time with 0 scoped) / n, both loops of the same round (paired).
 
+Then, apart from the model, what a region's op adds per call (see ``op_overheads``): each
+op of the in-graph stack's region against its node's compiled code called alone, in a
+tight loop, with a do-nothing op of the same schema as the dispatcher's floor.
+
 Each variant is built from classes of its own, whose ``forward`` runs a code object of its
 own (see ``fresh``): a graph break inside a loop makes Dynamo skip that loop's code object
 for good (torch 2.4 and 2.13 alike), so variants sharing ``nn.Sequential.forward`` would run
