@@ -363,14 +363,10 @@ EQUIVALENT: dict[str, str] = {
         "the run on fake tensors refuses such a tensor first, with the same message: Dynamo's fake "
         "mode takes no real tensor, so no compile reaches this second check"
     ),
-    "compiled graphs get inputs laid out other than they were compiled for": (
-        "Inductor hands a custom op's inputs in the strides its fake run saw (its layout constraint "
-        "for custom ops; an expanded gradient arrives materialized), so every input of the op is "
-        "already in the layout its graph was compiled for; the copy guards another configured constraint"
-    ),
     "a compiled-inside op's later calls take inputs laid out otherwise as they come": (
-        "the same constraint as above, at every call: Inductor's code calling the op hands it inputs "
-        "in the strides of its first call; the check guards another configured constraint"
+        "Inductor hands a custom op's inputs in the strides its fake run saw (its layout constraint "
+        "for custom ops; an expanded gradient arrives materialized), at every call the strides of "
+        "its first: the check guards another configured constraint"
     ),
     "a compiled-inside op's outputs keep the compiled code's layout": (
         "Inductor keeps a graph's output strides as the graph's own metadata gives them (its "
