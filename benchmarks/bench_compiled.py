@@ -251,7 +251,10 @@ def check(name: str, built: Built, train: Callable[[], None], infer: Callable[[]
 def _laid_out(graph: Any) -> list[torch.Tensor]:
     """Random tensors laid out as ``graph`` (an entry's compiled graph) was compiled for."""
     return [
-        torch.randn(size, dtype=example.dtype).as_strided(size, stride)
+        # Storage as long as the layout reaches (an expanded or padded layout spans more or less than numel).
+        torch.randn(
+            1 + sum((n - 1) * step for n, step in zip(size, stride, strict=True) if n), dtype=example.dtype
+        ).as_strided(size, stride)
         for (size, stride), example in zip(graph.inputs, graph.example, strict=True)
     ]
 

@@ -32,11 +32,11 @@ the attention's arguments, with torch's pytree and with the code fp32scope gener
 the layout (``--layers`` and 32 layers).
 
 Checked before timing, on decode steps, and it exits 1 otherwise: the scoped static-cache
-attentions update the keys and values where they are, and the copied ones do not; no graph break; no Python
-``forward`` of the model, its decoder layers or their MLPs ran (the graph runs them), nor
-of an attention, except in the hooked variant and the scoped one with the dynamic cache
-(inside their ops); the
-timed steps compile nothing. It exits 2 where transformers cannot run its models here.
+attentions update the keys and values where they are, and the copied ones do not; no graph
+break; no Python ``forward`` of the model, its decoder layers or their MLPs ran (the graph
+runs them), nor of an attention, except in the hooked variant and the scoped one with the
+dynamic cache (inside their ops); the timed steps compile nothing. It exits 2 where
+transformers cannot run its models here.
 """
 
 from __future__ import annotations
