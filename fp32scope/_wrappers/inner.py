@@ -206,6 +206,7 @@ class Entry:
     __slots__ = (
         "__weakref__",
         "backward",
+        "backward_scope",
         "forward",
         "grads",
         "in_place",
@@ -226,6 +227,7 @@ class Entry:
         forward: _Graph,
         backward: _Graph | None = None,
         *,
+        backward_scope: Any = None,
         n_out: int,
         tangents: tuple[int, ...] = (),
         grads: tuple[bool, ...] = (),
@@ -234,6 +236,7 @@ class Entry:
     ) -> None:
         self.number = _PROCESS | next(_numbers)
         self.scope = scope  # the node's precision scope
+        self.backward_scope = backward_scope  # the same precision, entered as the node's backward
         self.forward = forward
         self.backward = backward
         self.n_out = n_out  # the node's tensor outputs (the forward's first outputs)
@@ -280,14 +283,16 @@ def build(  # noqa: PLR0913  (the trace's inputs, and the updates it may make)
     fn: Callable[..., list[torch.Tensor]],
     values: Sequence[torch.Tensor],
     grad_mask: int,
-    scope: Any,
+    scopes: tuple[Any, Any],
     *,
     updates: tuple[int, ...] = (),
     in_place: tuple[int, ...] = (),
 ) -> Entry | None:
     """Trace ``fn`` (the node's call over the op's inputs) into compiled graphs, or None where it cannot be.
 
-    ``grad_mask`` says which inputs need a gradient (none: an inference graph). The trace runs
+    ``grad_mask`` says which inputs need a gradient (none: an inference graph). ``scopes``:
+    the node's scope for its forward, and for its backward (the same precision, reported as
+    the backward phase). The trace runs
     on fresh fake tensors, outside the parent's trace. A scope entered while tracing (a nested
     scoped node) refuses with :class:`Fp32ScopeError`, as in any traced code: such a node is
     not compiled.
@@ -342,7 +347,7 @@ def build(  # noqa: PLR0913  (the trace's inputs, and the updates it may make)
                 _write_in_place(graph, updated, in_place)
             else:
                 in_place = ()
-            return Entry(scope, _Graph(graph, is_inference=True), n_out=n_out, in_place=in_place)
+            return Entry(scopes[0], _Graph(graph, is_inference=True), n_out=n_out, in_place=in_place)
         tangents = tuple(i for i, o in enumerate(meta.output_info) if o.requires_grad)
         primals = [n for n in graph.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
         tangent_nodes = [n for n in graph.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
@@ -355,9 +360,10 @@ def build(  # noqa: PLR0913  (the trace's inputs, and the updates it may make)
         grads = tuple(g is not None for g in _output_nodes(bw))
         sources = _save_bases(fw, bw, n_out)
         return Entry(
-            scope,
+            scopes[0],
             _Graph(fw),
             _Graph(bw, is_backward=True),
+            backward_scope=scopes[1],
             n_out=n_out,
             tangents=tangents,
             grads=grads,
@@ -563,7 +569,7 @@ def _returned(out: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, ...
 def _inner_bwd_impl(_site: int, number: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
     entry = _entry(number)
     backward = cast("_Graph", entry.backward)
-    with entry.scope:
+    with entry.backward_scope:
         out = backward.run(values)
     return [g for g in out if g is not None]
 

@@ -251,6 +251,8 @@ class Region:
         self.policy = policy
         self.name = precision_scope_name
         self.scope: fp32_precision_scope = wrapper_scope(policy.precision, precision_scope_name)
+        # The node's backward runs in the same precision; trace() and profiler ranges call it backward.
+        self.backward_scope = wrapper_scope(policy.precision, precision_scope_name, "backward")
         self.layouts: dict[int, _Layout] = {}
         self._layout_ids: dict[tuple[Any, ...], int] = {}
         # Output structure per layout: (pytree spec or None for one plain tensor, leaves).
@@ -830,7 +832,7 @@ def _region_backward_impl(
     if saved.outputs:
         # The kept graph lives as long as the token, which the compiled graph's backward
         # holds: freed with it (no retain_graph), kept for a second backward (retain_graph).
-        with region.scope:
+        with region.backward_scope:
             found = torch.autograd.grad(
                 saved.outputs,
                 saved.inputs,
@@ -1142,12 +1144,13 @@ def _build_inner(  # noqa: PLR0913, PLR0917  (inner.build's, and the call's plan
     plan: _CarriedPlan | None,
     in_place: tuple[int, ...],
 ) -> inner.Entry | None:
+    scopes = (region.scope, region.backward_scope)
     if plan is None:
-        return inner.build(node, values, grad_mask, region.scope)
+        return inner.build(node, values, grad_mask, scopes)
     # A carried cache runs its own code (transformers', any release) in the node: where that
     # cannot be traced into a graph, the eager region runs it, as it ran before.
     try:
-        return inner.build(node, values, grad_mask, region.scope, updates=plan.inplace, in_place=in_place)
+        return inner.build(node, values, grad_mask, scopes, updates=plan.inplace, in_place=in_place)
     except Exception:  # noqa: BLE001  (any failure of the trace: the eager region is always right)
         return None
 

@@ -112,8 +112,14 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "the backward runs outside the node's scope",
         REGION,
-        "        with region.scope:\n            found = torch.autograd.grad(",
+        "        with region.backward_scope:\n            found = torch.autograd.grad(",
         "        with contextlib.nullcontext():\n            found = torch.autograd.grad(",
+    ),
+    Mutant(
+        "the backward is reported as the node's forward",
+        REGION,
+        "        with region.backward_scope:\n            found = torch.autograd.grad(",
+        "        with region.scope:\n            found = torch.autograd.grad(",
     ),
     Mutant(
         "the kept graph is freed by the first backward",
@@ -238,8 +244,14 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "a compiled-inside node's backward runs outside its scope",
         INNER,
+        "    with entry.backward_scope:\n        out = backward.run(values)",
+        "    if entry.backward_scope:\n        out = backward.run(values)",
+    ),
+    Mutant(
+        "a compiled-inside node's backward is reported as its forward",
+        INNER,
+        "    with entry.backward_scope:\n        out = backward.run(values)",
         "    with entry.scope:\n        out = backward.run(values)",
-        "    if entry.scope:\n        out = backward.run(values)",
     ),
     Mutant(
         "a changed attribute of a compiled-inside node is ignored",

@@ -429,7 +429,12 @@ def test_a_compiled_inside_graph_writes_the_inputs_it_updates_in_place_where_the
     set_process_default(DEFAULT)
     example = torch.zeros(4, 8)
     entry = inner.build(
-        _write_column, [example, torch.zeros(4)], 0, wrapper_scope(FULL, "node"), updates=(0,), in_place=(0,)
+        _write_column,
+        [example, torch.zeros(4)],
+        0,
+        (wrapper_scope(FULL, "node"), wrapper_scope(FULL, "node", "backward")),
+        updates=(0,),
+        in_place=(0,),
     )
     assert entry is not None
     assert entry.in_place == (0,)

@@ -26,6 +26,7 @@ from fp32scope import (
     current_fp32_precision,
     scope_modules,
     set_process_default,
+    trace,
     with_fp32_precision,
 )
 from fp32scope._wrappers import region as region_module
@@ -715,6 +716,40 @@ def test_retain_graph_a_second_backward_through_a_region_as_without_fp32scope(ba
         torch.autograd.backward(out)
     with pytest.raises(RuntimeError, match="second time"):
         torch.autograd.backward(expected)
+    assert current_fp32_precision() == DEFAULT
+
+
+@pytest.mark.parametrize(
+    ("backend", "eager"),
+    [("aot_eager", False), ("inductor", False), ("inductor", True)],
+    ids=["eager region", "compiled inside", "eager node"],
+)
+def test_trace_and_profiler_report_a_regions_backward_as_the_eager_scoped_twins(backend: str, *, eager: bool) -> None:
+    # What a user reads to see which precision each node ran in: fp32scope.trace()'s events
+    # and the profiler's ranges, for a compiled training step, against the same model scoped
+    # eagerly. The region's backward must say backward, as the eager node's does.
+    set_process_default(DEFAULT)
+    torch.manual_seed(0)
+    twin = Stack(FULL, in_graph=False)
+    twin.node = Fp32ScopedModule(twin.node.__wrapped__, FULL, name="node", in_graph=False)
+    model = copy.deepcopy(twin)
+    model.node = Fp32ScopedModule(model.node.__wrapped__, FULL, name="node", in_graph=True, eager=eager)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    x = torch.randn(4, WIDTH)
+    _train_step(compiled, list(model.parameters()), x)  # compiles
+
+    def reported(
+        fn: Callable[[torch.Tensor], torch.Tensor], params: list[torch.nn.Parameter]
+    ) -> tuple[list[tuple[str, str, Fp32Precision, Fp32Precision]], list[str]]:
+        with trace() as events, torch.profiler.profile() as prof:
+            _train_step(fn, params, x)
+        ranges = [e.name for e in prof.events() if e.name.startswith("fp32scope node ")]
+        return [(e.name, e.phase, e.precision, e.observed) for e in events], ranges
+
+    want = reported(twin, list(twin.parameters()))
+    assert want[0] == [("node", "forward", FULL, FULL), ("node", "backward", FULL, FULL)]
+    assert reported(compiled, list(model.parameters())) == want
+    assert _graphs_and_breaks() == (1, 0)
     assert current_fp32_precision() == DEFAULT
 
 
