@@ -1,11 +1,13 @@
 """One process's compiled parent holding one region; two of them share Inductor's disk cache.
 
-Run as a script (``python -m tests._support.region_process KIND``) it builds ``pre -> node ->
-post`` with the node of ``KIND`` (``"halves"`` or ``"doubles"``: the same parameters, outputs
-of other shapes) as this process's first region, compiles the parent whole with Inductor,
-and compares a ``no_grad`` call with the same parent run eagerly; a difference, or an error,
-exits non-zero. The two kinds make the same parent graph but for the node behind the
-region's number. ``tests/compile/test_regions.py`` runs one kind then the other with one
+Run as a script (``python -m tests._support.region_process KIND [eager]``) it builds
+``pre -> node -> post`` with the node of ``KIND`` (``"halves"`` or ``"doubles"``: the same
+parameters, outputs of other shapes) as this process's first region, compiles the parent
+whole with Inductor, and compares a ``no_grad`` call with the same parent run eagerly; a
+difference, or an error, exits non-zero. The two kinds make the same parent graph but for
+the node behind the region's number: the number of the node's compiled-inside entry, or,
+with ``eager`` (an ``eager=True`` node, never compiled inside), the region's own.
+``tests/compile/test_regions.py`` runs one kind then the other with one
 ``TORCHINDUCTOR_CACHE_DIR``: the second must not be served the first one's compiled graph.
 """
 
@@ -45,10 +47,10 @@ class Doubles(torch.nn.Module):
 
 
 class Parent(torch.nn.Module):
-    def __init__(self, node: torch.nn.Module) -> None:
+    def __init__(self, node: torch.nn.Module, *, eager: bool) -> None:
         super().__init__()
         self.pre = torch.nn.Linear(WIDTH, WIDTH)
-        self.node = Fp32ScopedModule(node, Fp32Precision("highest", False))
+        self.node = Fp32ScopedModule(node, Fp32Precision("highest", False), eager=eager)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         first, second = self.node(self.pre(x))
@@ -56,10 +58,10 @@ class Parent(torch.nn.Module):
         return out
 
 
-def main(kind: str) -> int:
+def main(kind: str, *, eager: bool) -> int:
     """Compile and check one parent; 0 when the compiled call equals the eager one."""
     torch.manual_seed(0)
-    model = Parent(Halves() if kind == "halves" else Doubles())
+    model = Parent(Halves() if kind == "halves" else Doubles(), eager=eager)
     x = torch.randn(6, WIDTH)
     with torch.no_grad():
         want = model(x)
@@ -72,4 +74,4 @@ def main(kind: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], eager=sys.argv[2:] == ["eager"]))
