@@ -291,11 +291,10 @@ def build(  # noqa: PLR0913  (the trace's inputs, and the updates it may make)
     """Trace ``fn`` (the node's call over the op's inputs) into compiled graphs, or None where it cannot be.
 
     ``grad_mask`` says which inputs need a gradient (none: an inference graph). ``scopes``:
-    the node's scope for its forward, and for its backward (the same precision, reported as
-    the backward phase). The trace runs
-    on fresh fake tensors, outside the parent's trace. A scope entered while tracing (a nested
-    scoped node) refuses with :class:`Fp32ScopeError`, as in any traced code: such a node is
-    not compiled.
+    the node's scope for its forward, and one for its backward (the same precision, reported
+    as the backward phase). The trace runs on fresh fake tensors, outside the parent's trace.
+    A scope entered while tracing (a nested scoped node) refuses with
+    :class:`Fp32ScopeError`, as in any traced code: such a node is not compiled.
 
     ``updates``: the inputs an inference graph's node updates in place (a static cache's
     keys), exactly those: the graph updates none, it returns their new values first, in
