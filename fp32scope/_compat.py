@@ -13,6 +13,7 @@ Adding a release or raising the floor should touch this module and the release t
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from collections.abc import Callable
@@ -311,16 +312,25 @@ def aoti_packaging_missing(inductor: Any) -> str | None:
 def export_node_graph(fn: Callable[..., Any], args: tuple[Any, ...], decompositions: Any, *, joint: bool) -> Any:
     """AOTAutograd's graph of ``fn`` (joint where ``joint``, else inference) and its metadata.
 
-    torch 2.4's private ``_aot_export_function`` decides "joint" from grad mode and the
-    inputs alone; later releases take ``trace_joint``.
+    The private ``_aot_export_function`` takes ``trace_joint`` on some releases (2.10, 2.13,
+    2.15) and not on others (2.4, 2.8), which decide "joint" from grad mode and the inputs
+    alone: the caller sets both to agree with ``joint``. Which form is read from its
+    signature, once.
     """
     from torch._functorch.aot_autograd import _aot_export_function
 
-    if _release_at_least(2, 5):
+    if _takes_trace_joint(_aot_export_function):
         graph, meta, *_ = _aot_export_function(fn, args, decompositions=decompositions, trace_joint=joint)
     else:
         graph, meta, *_ = _aot_export_function(fn, args, decompositions=decompositions)
     return graph, meta
+
+
+@functools.cache
+def _takes_trace_joint(export: Callable[..., Any]) -> bool:
+    import inspect
+
+    return "trace_joint" in inspect.signature(export).parameters
 
 
 def graph_callable(compiled: Any) -> Callable[[list[Any]], Any]:

@@ -75,7 +75,7 @@ import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final, cast
 
 import torch
@@ -88,6 +88,7 @@ from fp32scope._compat import (
     REGION_OPS_UPDATE_CACHES_IN_PLACE,
     dtensor_type,
     is_exporting,
+    treespec_children,
 )
 from fp32scope._errors import Fp32RegionBreakWarning, Fp32ScopeError, user_stacklevel
 from fp32scope._flags import dynamo_exclude
@@ -270,8 +271,11 @@ class Region:
         self.carried_args: dict[int, _CarriedArgs] = {}
         self.carried: dict[int, _CarriedPlan] = {}
         self.last_changes: tuple[tuple[carriers.Change, ...], ...] = ()
-        # The constants of the last traced call's output that leave through traced_region.
-        self.last_constants: tuple[tuple[int, Any], ...] = ()
+        # How traced_region rebuilds the last traced call's structured output (see _recipe).
+        self.last_recipe: Recipe | None = None
+        # Per structured output layout: its recipe (constants only) and the recipe's
+        # builders, also set as the attribute the recipe names (see _recipe).
+        self.out_recipes: dict[int, Recipe] = {}
         # Whether a parent compiled by Inductor compiles the node inside its op (not an eager
         # node's), and the compiled graphs per layout, or None where a layout cannot be.
         self.compiled = compiled
@@ -509,12 +513,65 @@ def _flatten_out(region: Region, layout: int, out: Any) -> list[torch.Tensor]:
         else:
             msg = (
                 f"Scoped node {region.name!r} returned a {type(value).__name__} inside its output in a compiled graph "
-                "with in_graph=True. An in-graph region returns tensors (in tuples, lists and dicts) and constants; "
+                "with in_graph=True. An in-graph region returns tensors and constants, in any container torch's pytree "
+                "knows (tuples, lists, dicts, named tuples, registered dataclasses); "
                 "wrap the node with in_graph=False (a graph break around the node)."
             )
             raise Fp32ScopeError(msg)
     region.out_specs[layout] = (spec, tuple(leaves))
+    if layout not in region.out_recipes:
+        builders: list[tuple[Callable[..., Any], Any]] = []
+        tree = _recipe(spec, iter(leaves), itertools.count(), builders)
+        name = f"out_builders_{layout}" if builders else ""
+        if builders:
+            setattr(region, name, tuple(builders))
+        region.out_recipes[layout] = (name, tree)
     return tensors
+
+
+# A structured output's recipe: ``(name, tree)``. ``tree`` holds constants only, so that a
+# function Dynamo keeps as a constant can hand it to traced_region on every release:
+# ("t", i) the op's i-th tensor output, ("c", value) a constant, ("tuple", kids),
+# ("list", kids), ("dict", keys, kids), and ("node", j, kids) for any other container torch's
+# pytree knows (named tuples, dataclasses, a ModelOutput), built by the j-th (unflatten,
+# context) pair of the region's attribute ``name``. Classes and functions cannot be such
+# constants (torch 2.13 guards them on a source its guards cannot read), so they are read
+# from the region, as any attribute of a module is, with guards; an attribute per layout,
+# never changed once set, keeps those guards true when another layout is added.
+Recipe = tuple[str, Any]
+
+
+def _recipe(spec: Any, leaves: Iterator[Any], tensors: Iterator[int], builders: list[tuple[Any, Any]]) -> Any:
+    if spec.is_leaf():
+        leaf = next(leaves)
+        return ("t", next(tensors)) if leaf is _TENSOR else ("c", leaf)
+    kids = tuple(_recipe(child, leaves, tensors, builders) for child in treespec_children(spec))
+    if spec.type is tuple:
+        return ("tuple", kids)
+    if spec.type is list:
+        return ("list", kids)
+    if spec.type is dict:
+        return ("dict", tuple(spec.context), kids)
+    builders.append((_pytree.SUPPORTED_NODES[spec.type].unflatten_fn, spec.context))
+    return ("node", len(builders) - 1, kids)
+
+
+def _rebuild(tree: Any, builders: tuple[tuple[Any, Any], ...], tensors: Any) -> Any:
+    """The node's output from ``tree`` (see :data:`Recipe`), traced by Dynamo in traced_region."""
+    kind = tree[0]
+    if kind == "t":
+        return tensors[tree[1]]
+    if kind == "c":
+        return tree[1]
+    kids = [_rebuild(kid, builders, tensors) for kid in tree[-1]]
+    if kind == "tuple":
+        return tuple(kids)
+    if kind == "list":
+        return kids
+    if kind == "dict":
+        return dict(zip(tree[1], kids, strict=True))
+    unflatten, context = builders[tree[1]]
+    return unflatten(kids, context)
 
 
 def _unalias(outputs: list[torch.Tensor], inputs: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -1021,28 +1078,19 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
 
 
 def _node_output(region: Region, layout: int, tensors: list[torch.Tensor]) -> Any:
-    """The node's output, as its layout's structure, around the op's tensor outputs."""
-    spec, out_leaves = region.out_specs[layout]
-    held: list[tuple[int, Any]] = []
+    """What region_call returns for the node's output: its one tensor, or its tensors, for traced_region to rebuild.
+
+    Dynamo takes only tensors and sequences of them from a call it keeps whole (torch 2.8
+    and 2.13 refuse a dict, a dataclass or a ModelOutput, 2.4 a float or a str inside a
+    tuple), so a structured output leaves as a tuple of its tensors, and traced_region
+    builds the structure, its constants included, from the layout's recipe.
+    """
+    spec, _ = region.out_specs[layout]
     if spec is None:
-        result = tensors[0]
-    else:
-        # Constants other than None, bools and ints leave through traced_region instead (read
-        # by _out_constants): Dynamo on torch 2.4 refuses a float, a str or a dtype returned
-        # by a call it keeps whole ("torch.* op returned non-Tensor float").
-        it = iter(tensors)
-        returned: list[Any] = []
-        for i, leaf in enumerate(out_leaves):
-            if leaf is _TENSOR:
-                returned.append(next(it))
-            elif leaf is None or type(leaf) in (bool, int):
-                returned.append(leaf)
-            else:
-                held.append((i, leaf))
-                returned.append(None)
-        result = _pytree.tree_unflatten(returned, spec)
-    region.last_constants = tuple(held)
-    return result
+        region.last_recipe = None
+        return tensors[0]
+    region.last_recipe = region.out_recipes[layout]
+    return tuple(tensors)
 
 
 def _has_hooks(module: object) -> bool:
@@ -1212,16 +1260,16 @@ def _carried_changes(tag: str) -> tuple[tuple[carriers.Change, ...], ...]:
     return _regions[int(tag.removeprefix(_TAG))].last_changes
 
 
-def _out_constants(tag: str) -> tuple[tuple[int, Any], ...]:
-    # The constants of the output of the call Dynamo just traced that region_call left out
-    # (their places among the output's leaves, and their values): constants of the graph.
-    return _regions[int(tag.removeprefix(_TAG))].last_constants
+def _out_recipe(tag: str) -> Recipe | None:
+    # How to rebuild the output of the call Dynamo just traced (None: region_call returned
+    # the node's one tensor itself): a constant of the graph.
+    return _regions[int(tag.removeprefix(_TAG))].last_recipe
 
 
 # torch._dynamo.assume_constant_result's mark, set without importing Dynamo (a second):
 # Dynamo calls the function while it traces and keeps its result as a constant.
 _carried_changes._dynamo_marked_constant = True  # type: ignore[attr-defined]
-_out_constants._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_out_recipe._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def traced_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -1251,13 +1299,11 @@ def traced_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any])
             carriers.write_back(obj, changes, rebound)
     else:
         out = result
-    held = _out_constants(region.tag)
-    if held:  # the output's constants region_call could not return, put back in their places
-        leaves, spec = _pytree.tree_flatten(out)
-        for i, value in held:
-            leaves[i] = value
-        out = _pytree.tree_unflatten(leaves, spec)
-    return out
+    recipe = _out_recipe(region.tag)
+    if recipe is None:
+        return out
+    name, tree = recipe
+    return _rebuild(tree, getattr(region, name) if name else (), out)
 
 
 _allowed: list[bool] = []
@@ -1270,15 +1316,17 @@ def _allow_in_graph() -> None:
         _allowed.append(True)
 
 
+# What Dynamo traces (or keeps whole: region_call) where a region is called.
+_TRACED: Final = frozenset(
+    {"region_call", "traced_region", "_carriable", "_carried_changes", "_out_recipe", "_rebuild"}
+)
+
 # Frames only: these run inside the op's kernels, at run time or while a graph is traced.
-# (Not region_call, which Dynamo keeps whole, nor traced_region, which it inlines.)
 dynamo_exclude.exclude(
     *(
         fn
         for fn in list(globals().values())
-        if isinstance(fn, types.FunctionType)
-        and fn.__module__ == __name__
-        and fn.__name__ not in {"region_call", "traced_region", "_carriable", "_carried_changes", "_out_constants"}
+        if isinstance(fn, types.FunctionType) and fn.__module__ == __name__ and fn.__name__ not in _TRACED
     ),
     *(
         fn

@@ -6,25 +6,30 @@ and without gradients, then every gradient, parameters and input alike. A probe 
 node records the precision it ran in, forward and backward. The nodes are the shapes that
 break an opaque op: outputs that alias an input or each other, outputs laid out unlike a
 fresh tensor, tensors passed by keyword, weights tied inside the node, outputs mixing
-tensors with and without gradients, a region called twice on one input, and buffers that
-change without their version counter moving (batch norm's running statistics).
+tensors with and without gradients, a region called twice on one input, buffers that
+change without their version counter moving (batch norm's running statistics), and outputs
+in every container torch's pytree knows (dicts, dataclasses, named tuples, a ModelOutput).
 """
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import re
 import warnings
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.utils import _pytree
 
 from fp32scope import Fp32RegionBreakWarning, Fp32ScopedModule, current_fp32_precision, set_process_default
 from tests._support import probe as _probe
 from tests._support.common import DEFAULT, FULL, BoomError
+from tests._support.hf import gpt2_unavailable
 from tests._support.probe import phases, probe
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
@@ -480,4 +485,119 @@ def test_an_object_argument_under_fullgraph_fails_saying_what_to_do() -> None:
     with pytest.raises(Exception, match="cannot carry") as raised:
         compiled(torch.randn(6, WIDTH))
     assert "Failed to convert args/kwargs to proxy" not in str(raised.value)
+    assert current_fp32_precision() == DEFAULT
+
+
+@dataclasses.dataclass
+class Pair:
+    """A dataclass output, registered with torch's pytree as a user would register it."""
+
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+if hasattr(_pytree, "register_dataclass"):  # torch >= 2.5
+    _pytree.register_dataclass(Pair)
+else:
+    _pytree.register_pytree_node(Pair, lambda p: ([p.first, p.second], None), lambda v, _: Pair(*v))
+
+
+class Named(NamedTuple):
+    out: torch.Tensor
+    rest: dict[str, Any]
+
+
+def _model_output(y: torch.Tensor, z: torch.Tensor) -> Any:
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    return BaseModelOutputWithPast(last_hidden_state=y, hidden_states=(z, y))
+
+
+STRUCTURES: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+    "dict-nested-with-constants": lambda y, z: {"y": y, "rest": [z, None, 3, 0.5, "s", torch.float16, (y,)]},
+    "registered-dataclass": Pair,
+    "named-tuple-of-a-dict": lambda y, z: Named(y, {"z": z, "flag": True}),
+    "ordered-dict": lambda y, z: collections.OrderedDict(z=z, y=y),
+    "model-output": _model_output,
+    "tuple-of-a-list": lambda y, z: (y, [z, 2.5]),
+}
+
+
+class Structured(torch.nn.Module):
+    """Returns its two tensors in the structure ``build`` makes."""
+
+    def __init__(self, build: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.build = build
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = probe(self.linear(x), "node")
+        return self.build(y, torch.tanh(y))
+
+
+class Returns(torch.nn.Module):
+    """``pre -> node``, the node's output returned as it is."""
+
+    def __init__(self, node: torch.nn.Module, *, in_graph: bool) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(WIDTH, WIDTH)
+        self.node = Fp32ScopedModule(node, FULL, in_graph=in_graph)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.node(self.pre(x))
+
+
+def _loss(out: Any) -> torch.Tensor:
+    return sum((t.square().sum() for t in _pytree.tree_leaves(out) if isinstance(t, torch.Tensor)), torch.zeros(()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(STRUCTURES))
+def test_a_regions_structured_output_is_eagers_in_one_graph(name: str, backend: str) -> None:
+    # The node's output, as the compiled parent returns it: the same classes, structure and
+    # constants as the eager scoped twin's, the same tensors and gradients, the node in its
+    # precision forward and backward, and one graph without a break (fullgraph=True).
+    if name == "model-output" and (why := gpt2_unavailable()):
+        pytest.skip(why)
+    set_process_default(DEFAULT)
+    torch.manual_seed(0)
+    eager = Returns(Structured(STRUCTURES[name]), in_graph=False)
+    region = copy.deepcopy(eager)
+    region.node = Fp32ScopedModule(region.node.__wrapped__, FULL, in_graph=True)
+    compiled = torch.compile(region, backend=backend, fullgraph=True)
+    for _ in range(2):  # the first call compiles; the second runs what was compiled
+        x = torch.randn(6, WIDTH)
+        _probe.SEEN.clear()
+        got, want = compiled(x), eager(x)
+        assert phases("fwd")["node"] == [FULL, FULL]
+        got_leaves, got_spec = _pytree.tree_flatten(got)
+        want_leaves, want_spec = _pytree.tree_flatten(want)
+        assert type(got) is type(want)
+        assert got_spec == want_spec
+        for mine, theirs in zip(got_leaves, want_leaves, strict=True):
+            if isinstance(theirs, torch.Tensor):
+                torch.testing.assert_close(mine, theirs)
+            else:
+                assert type(mine) is type(theirs)
+                assert mine == theirs
+        _probe.SEEN.clear()
+        torch.autograd.backward(_loss(got))
+        torch.autograd.backward(_loss(want))
+        assert phases("bwd")["node"] == [FULL, FULL]
+        for (pname, mine_p), theirs_p in zip(region.named_parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(mine_p.grad, theirs_p.grad, msg=f"gradient of {pname}")
+            mine_p.grad = theirs_p.grad = None
+        assert current_fp32_precision() == DEFAULT
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_an_output_holding_an_object_pytree_does_not_know_is_refused_saying_what_to_do() -> None:
+    set_process_default(DEFAULT)
+    region = Returns(Structured(lambda y, z: (y, Holder(z))), in_graph=True)
+    compiled = torch.compile(region, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"'Structured' returned a Holder inside its output") as raised:
+        compiled(torch.randn(6, WIDTH))
+    assert "in_graph=False" in str(raised.value)
     assert current_fp32_precision() == DEFAULT
