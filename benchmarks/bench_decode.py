@@ -15,7 +15,7 @@ heads, 2 key-value heads), batch 1, a 16-token prompt, its ``forward`` compiled
 - scoped, hooked (static cache only): scoped as above, each attention with a forward hook
   that does nothing, which keeps it eager inside its op (hooks run at every call): what
   compiling the attention inside saves;
-- scoped, copied (static cache only, where torch >= 2.13 lets a compiled-inside attention
+- scoped, copied (static cache only, where torch >= 2.8 lets a compiled-inside attention
   update the cache's keys and values where they are): scoped as above, compiled with that
   turned off (a private switch of fp32scope), so that the keys and values leave its op as
   new tensors and are copied back into the cache, as on earlier releases: what updating

@@ -158,10 +158,11 @@ DYNAMO_ENTERS_SCOPES_MADE_OUTSIDE: Final[bool] = _release_at_least(2, 14)
 
 #: Whether a region op may declare that it updates a list of its tensor arguments in place
 #: (``Tensor(a!)[]``) under Inductor, so that a static cache's keys and values are written
-#: where they are, not copied into the op and back. Checked on 2.13 and 2.15 (logits,
-#: tokens and caches against the eager scoped model, tests/compile/test_region_caches.py);
-#: 2.5 to 2.12 are not checked and copy, as 2.4 does.
-REGION_OPS_UPDATE_CACHES_IN_PLACE: Final[bool] = _release_at_least(2, 13)
+#: where they are, not copied into the op and back. Checked on 2.8, 2.10, 2.13 and 2.15
+#: (logits, tokens and caches against the eager scoped model, and no copy of a cache layer,
+#: tests/compile/test_region_caches.py); 2.5 to 2.7 are not checked and copy, as 2.4 does
+#: (whose transformers cannot run the Hugging Face check).
+REGION_OPS_UPDATE_CACHES_IN_PLACE: Final[bool] = _release_at_least(2, 8)
 
 COMPILING_FLAG: Final = "_is_compiling_flag"
 #: Whether ``torch.compiler.is_compiling()`` returns torch.compiler's module flag

@@ -1086,7 +1086,9 @@ def _node_output(region: Region, layout: int, tensors: list[torch.Tensor]) -> An
     builds the structure, its constants included, from the layout's recipe.
     """
     spec, _ = region.out_specs[layout]
-    if spec is None:
+    # One tensor: no spec where it is a plain tensor, a leaf's spec where it is a subclass (a
+    # fake tensor while Dynamo traces): the same output either way.
+    if spec is None or spec.is_leaf():
         region.last_recipe = None
         return tensors[0]
     region.last_recipe = region.out_recipes[layout]

@@ -188,10 +188,16 @@ MUTANTS: tuple[Mutant, ...] = (
         "        elif isinstance(value, _CONSTANTS):\n            leaves.append(None)",
     ),
     Mutant(
-        "output constants held back from region_call are not put back",
+        "an output's constants are rebuilt as None",
         REGION,
-        "            leaves[i] = value",
-        "            leaves[i] = None",
+        '    if kind == "c":\n        return tree[1]',
+        '    if kind == "c":\n        return None',
+    ),
+    Mutant(
+        "an output's pytree containers are rebuilt as lists",
+        REGION,
+        "    return unflatten(kids, context)",
+        "    return kids",
     ),
     Mutant(
         "region numbers are alike in every process (disk caches serve another's graph)",
