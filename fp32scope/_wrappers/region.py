@@ -273,9 +273,9 @@ class Region:
         self.last_changes: tuple[tuple[carriers.Change, ...], ...] = ()
         # How traced_region rebuilds the last traced call's structured output (see _recipe).
         self.last_recipe: Recipe | None = None
-        # Per structured output layout: its recipe (constants only) and the recipe's
-        # builders, also set as the attribute the recipe names (see _recipe).
-        self.out_recipes: dict[int, Recipe] = {}
+        # Per structured output layout: the output's (spec, leaves) last traced, and its
+        # recipe, whose builders are set as the attribute the recipe names (see _recipe).
+        self.out_recipes: dict[int, tuple[tuple[Any, tuple[Any, ...]], Recipe]] = {}
         # Whether a parent compiled by Inductor compiles the node inside its op (not an eager
         # node's), and the compiled graphs per layout, or None where a layout cannot be.
         self.compiled = compiled
@@ -519,13 +519,6 @@ def _flatten_out(region: Region, layout: int, out: Any) -> list[torch.Tensor]:
             )
             raise Fp32ScopeError(msg)
     region.out_specs[layout] = (spec, tuple(leaves))
-    if layout not in region.out_recipes:
-        builders: list[tuple[Callable[..., Any], Any]] = []
-        tree = _recipe(spec, iter(leaves), itertools.count(), builders)
-        name = f"out_builders_{layout}" if builders else ""
-        if builders:
-            setattr(region, name, tuple(builders))
-        region.out_recipes[layout] = (name, tree)
     return tensors
 
 
@@ -536,8 +529,8 @@ def _flatten_out(region: Region, layout: int, out: Any) -> list[torch.Tensor]:
 # pytree knows (named tuples, dataclasses, a ModelOutput), built by the j-th (unflatten,
 # context) pair of the region's attribute ``name``. Classes and functions cannot be such
 # constants (torch 2.13 guards them on a source its guards cannot read), so they are read
-# from the region, as any attribute of a module is, with guards; an attribute per layout,
-# never changed once set, keeps those guards true when another layout is added.
+# from the region, as any attribute of a module is, with guards; an attribute per layout
+# keeps those guards true when another layout is added.
 Recipe = tuple[str, Any]
 
 
@@ -1085,13 +1078,24 @@ def _node_output(region: Region, layout: int, tensors: list[torch.Tensor]) -> An
     tuple), so a structured output leaves as a tuple of its tensors, and traced_region
     builds the structure, its constants included, from the layout's recipe.
     """
-    spec, _ = region.out_specs[layout]
+    spec, leaves = region.out_specs[layout]
     # One tensor: no spec where it is a plain tensor, a leaf's spec where it is a subclass (a
     # fake tensor while Dynamo traces): the same output either way.
     if spec is None or spec.is_leaf():
         region.last_recipe = None
         return tensors[0]
-    region.last_recipe = region.out_recipes[layout]
+    # Made afresh where this trace's output differs from the last one of its layout (other
+    # constants, another structure): a graph traced again rebuilds what the node returns now.
+    made = region.out_recipes.get(layout)
+    if made is None or made[0] != (spec, leaves):
+        builders: list[tuple[Callable[..., Any], Any]] = []
+        tree = _recipe(spec, iter(leaves), itertools.count(), builders)
+        name = f"out_builders_{layout}" if builders else ""
+        if builders:
+            setattr(region, name, tuple(builders))
+        made = ((spec, leaves), (name, tree))
+        region.out_recipes[layout] = made
+    region.last_recipe = made[1]
     return tuple(tensors)
 
 

@@ -601,3 +601,28 @@ def test_an_output_holding_an_object_pytree_does_not_know_is_refused_saying_what
         compiled(torch.randn(6, WIDTH))
     assert "in_graph=False" in str(raised.value)
     assert current_fp32_precision() == DEFAULT
+
+
+class ReturnsItsScale(torch.nn.Module):
+    """Returns a plain attribute beside its tensor, in a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.scale = 0.5
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        return {"y": probe(self.linear(x), "node"), "scale": self.scale}
+
+
+def test_a_graph_traced_again_returns_the_constants_its_node_returns_now() -> None:
+    # The output's constants are the trace's: traced again (a reset, here) after the node's
+    # attribute changed, the same call layout gives the new value, as eager code does.
+    set_process_default(DEFAULT)
+    node = ReturnsItsScale()
+    region = Returns(node, in_graph=True)
+    x = torch.randn(6, WIDTH)
+    assert torch.compile(region, backend="aot_eager", fullgraph=True)(x)["scale"] == 0.5
+    node.scale = 2.0
+    torch._dynamo.reset()
+    assert torch.compile(region, backend="aot_eager", fullgraph=True)(x)["scale"] == 2.0
