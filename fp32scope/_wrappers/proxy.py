@@ -565,6 +565,9 @@ dynamo_exclude.exclude(
 # inlines the property (torch 2.15) still does.
 _forward_getter = cast("Callable[[Fp32ScopedModule], Callable[..., Any]]", vars(Fp32ScopedModule)["forward"].fget)
 dynamo_exclude.exclude(_forward_getter, graph_break=False)
+# Reached from the eager __call__ while Dynamo's callback is active (torch 2.8's strict export
+# converts its frame, and fails to return the function it makes): frames only.
+dynamo_exclude.exclude(Fp32ScopedModule._compiled_here, graph_break=False)
 dynamo_exclude.exclude(vars(_InGraphScopedModule)["forward"].fget, graph_break=False)
 
 

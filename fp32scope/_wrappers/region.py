@@ -75,7 +75,7 @@ import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final, cast
 
 import torch
@@ -497,7 +497,29 @@ def _unbind(slots: Slots, kind: str, saved: list[Any]) -> None:
         getattr(owner, kind)[attr] = value
 
 
-def _flatten_out(region: Region, layout: int, out: Any) -> list[torch.Tensor]:
+class _Given:
+    """An output leaf that is the ``index``-th object the region carried in (a cache a node returns)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Given) and other.index == self.index
+
+    def __hash__(self) -> int:
+        return hash((_Given, self.index))
+
+
+def _flatten_out(region: Region, layout: int, out: Any, given: Sequence[Any] = ()) -> list[torch.Tensor]:
+    """The node's output tensors; its structure and constants kept as the layout's ``out_specs``.
+
+    ``given``: the objects the node was called with that the region carried (rebuilt around
+    the op's tensors). One returned (``past_key_values`` in a model's output) leaves as a
+    mark: the parent's graph returns the caller's own object there, which traced_region has
+    updated as the node updated the rebuilt one.
+    """
     if type(out) is torch.Tensor:  # the usual output: no structure to keep
         region.out_specs[layout] = (None, ())
         return [out]
@@ -510,12 +532,14 @@ def _flatten_out(region: Region, layout: int, out: Any) -> list[torch.Tensor]:
             leaves.append(_TENSOR)
         elif isinstance(value, _CONSTANTS):
             leaves.append(value)
+        elif any(value is obj for obj in given):
+            leaves.append(_Given(next(i for i, obj in enumerate(given) if value is obj)))
         else:
             msg = (
                 f"Scoped node {region.name!r} returned a {type(value).__name__} inside its output in a compiled graph "
                 "with in_graph=True. An in-graph region returns tensors and constants, in any container torch's pytree "
-                "knows (tuples, lists, dicts, named tuples, registered dataclasses); "
-                "wrap the node with in_graph=False (a graph break around the node)."
+                "knows (tuples, lists, dicts, named tuples, registered dataclasses), and the Hugging Face caches it "
+                "was given; wrap the node with in_graph=False (a graph break around the node)."
             )
             raise Fp32ScopeError(msg)
     region.out_specs[layout] = (spec, tuple(leaves))
@@ -525,7 +549,8 @@ def _flatten_out(region: Region, layout: int, out: Any) -> list[torch.Tensor]:
 # A structured output's recipe: ``(name, tree)``. ``tree`` holds constants only, so that a
 # function Dynamo keeps as a constant can hand it to traced_region on every release:
 # ("t", i) the op's i-th tensor output, ("c", value) a constant, ("tuple", kids),
-# ("list", kids), ("dict", keys, kids), and ("node", j, kids) for any other container torch's
+# ("list", kids), ("dict", keys, kids), ("given", k) the k-th object the region carried in
+# (the caller's own), and ("node", j, kids) for any other container torch's
 # pytree knows (named tuples, dataclasses, a ModelOutput), built by the j-th (unflatten,
 # context) pair of the region's attribute ``name``. Classes and functions cannot be such
 # constants (torch 2.13 guards them on a source its guards cannot read), so they are read
@@ -537,7 +562,9 @@ Recipe = tuple[str, Any]
 def _recipe(spec: Any, leaves: Iterator[Any], tensors: Iterator[int], builders: list[tuple[Any, Any]]) -> Any:
     if spec.is_leaf():
         leaf = next(leaves)
-        return ("t", next(tensors)) if leaf is _TENSOR else ("c", leaf)
+        if leaf is _TENSOR:
+            return ("t", next(tensors))
+        return ("given", leaf.index) if isinstance(leaf, _Given) else ("c", leaf)
     kids = tuple(_recipe(child, leaves, tensors, builders) for child in treespec_children(spec))
     if spec.type is tuple:
         return ("tuple", kids)
@@ -549,14 +576,21 @@ def _recipe(spec: Any, leaves: Iterator[Any], tensors: Iterator[int], builders: 
     return ("node", len(builders) - 1, kids)
 
 
-def _rebuild(tree: Any, builders: tuple[tuple[Any, Any], ...], tensors: Any) -> Any:
-    """The node's output from ``tree`` (see :data:`Recipe`), traced by Dynamo in traced_region."""
+def _rebuild(  # noqa: PLR0911  (a return per kind of recipe node)
+    tree: Any, builders: tuple[tuple[Any, Any], ...], tensors: Any, given: list[Any]
+) -> Any:
+    """The node's output from ``tree`` (see :data:`Recipe`), traced by Dynamo in traced_region.
+
+    ``given``: the caller's objects the region carried, in the order of its arguments.
+    """
     kind = tree[0]
     if kind == "t":
         return tensors[tree[1]]
     if kind == "c":
         return tree[1]
-    kids = [_rebuild(kid, builders, tensors) for kid in tree[-1]]
+    if kind == "given":
+        return given[tree[1]]
+    kids = [_rebuild(kid, builders, tensors, given) for kid in tree[-1]]
     if kind == "tuple":
         return tuple(kids)
     if kind == "list":
@@ -713,7 +747,7 @@ def _execute(
     with recorder or contextlib.nullcontext():
         result = _run(op, fake=fake, grad=bool(grad_mask))
     written = set() if recorder is None else recorder.storages
-    outputs = _flatten_out(region, op.layout, result)
+    outputs = _flatten_out(region, op.layout, result, [obj for _, obj in op.carried])
     carried = _carried_out(op, fake, inplace, carried_versions, written)
     if not fake and not grad_mask:
         # The carried tensors leave as outputs too: none may alias an input or another output.
@@ -1081,7 +1115,7 @@ def _node_output(region: Region, layout: int, tensors: list[torch.Tensor]) -> An
     spec, leaves = region.out_specs[layout]
     # One tensor: no spec where it is a plain tensor, a leaf's spec where it is a subclass (a
     # fake tensor while Dynamo traces): the same output either way.
-    if spec is None or spec.is_leaf():
+    if spec is None or (leaves == (_TENSOR,) and spec.is_leaf()):
         region.last_recipe = None
         return tensors[0]
     # Made afresh where this trace's output differs from the last one of its layout (other
@@ -1145,7 +1179,8 @@ def _inner_entry(  # noqa: PLR0913  (a traced call's state, kept together)
             saved_p = _bind(p_slots, "_parameters", list(flat[n_tensors : n_tensors + n_params]))
             saved_b = _bind(b_slots, "_buffers", list(flat[n_tensors + n_params :])) if b_slots else None
             try:
-                out = _flatten_out(region, layout, _call_node(region, autocast, args, kwargs))
+                result = _call_node(region, autocast, args, kwargs)
+                out = _flatten_out(region, layout, result, [obj for _, obj in objects])
             finally:
                 if saved_b is not None:
                     _unbind(b_slots, "_buffers", saved_b)
@@ -1309,7 +1344,7 @@ def traced_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any])
     if recipe is None:
         return out
     name, tree = recipe
-    return _rebuild(tree, getattr(region, name) if name else (), out)
+    return _rebuild(tree, getattr(region, name) if name else (), out, objects)
 
 
 _allowed: list[bool] = []

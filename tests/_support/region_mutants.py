@@ -194,6 +194,18 @@ MUTANTS: tuple[Mutant, ...] = (
         '    if kind == "c":\n        return None',
     ),
     Mutant(
+        "a cache the node returns is handed back as the op's rebuilt copy, not the caller's",
+        REGION,
+        "            leaves.append(_Given(next(i for i, obj in enumerate(given) if value is obj)))",
+        "            leaves.append(value)",
+    ),
+    Mutant(
+        "a node returning one constant returns nothing",
+        REGION,
+        "    if spec is None or (leaves == (_TENSOR,) and spec.is_leaf()):",
+        "    if spec is None or spec.is_leaf():",
+    ),
+    Mutant(
         "an output's pytree containers are rebuilt as lists",
         REGION,
         "    return unflatten(kids, context)",

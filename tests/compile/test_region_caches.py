@@ -70,6 +70,43 @@ def _assert_caches_equal(got: Any, want: Any, step: int) -> None:
                 )
 
 
+def _prefill_and_decode(  # noqa: PLR0913  (the models, the cache, and what to check besides)
+    compiled: Callable[..., Any],
+    model: Any,
+    twin: Any,
+    kind: str,
+    n_probed: int,
+    *,
+    check: Callable[[int, Any, Any, Any, Any], None] | None = None,
+) -> None:
+    """A prefill and STEPS greedy decode steps of ``compiled`` and its eager ``twin``, each fed its own cache.
+
+    Compared step by step: each probed attention in its precision, the default outside, the
+    logits, every cache tensor, the chosen tokens; then ``check(step, got, want, cache,
+    twin_cache)``; and no graph break.
+    """
+    name_of_cache = cache_argument(model)
+    cache, twin_cache = _cache(kind, model), _cache(kind, twin)
+    ids = torch.randint(0, model.config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+    start = 0
+    with torch.no_grad():
+        for step in range(1 + STEPS):
+            positions = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
+            _probe.SEEN.clear()
+            got = compiled(input_ids=ids, **{name_of_cache: cache}, use_cache=True, position_ids=positions)
+            assert phases("fwd")["attention"] == [FULL] * n_probed, f"step {step}"  # each in its precision
+            assert current_fp32_precision() == DEFAULT
+            want = twin(input_ids=ids, **{name_of_cache: twin_cache}, use_cache=True, position_ids=positions)
+            torch.testing.assert_close(got.logits, want.logits, msg=f"logits, step {step}")
+            _assert_caches_equal(cache, twin_cache, step)
+            if check is not None:
+                check(step, got, want, cache, twin_cache)
+            start += ids.shape[1]
+            ids = got.logits[:, -1:].argmax(-1)
+            assert torch.equal(ids, want.logits[:, -1:].argmax(-1)), f"tokens, step {step}"
+    assert sum(counters["graph_break"].values()) == 0
+
+
 @pytest.mark.parametrize(
     ("name", "kind"),
     [("llama", "dynamic"), ("llama", "static"), ("gpt2", "dynamic"), ("gpt2", "static"), ("mixtral", "dynamic")],
@@ -82,25 +119,7 @@ def test_attentions_as_regions_carry_the_cache_through_prefill_and_decode(name: 
     twin = copy.deepcopy(model)
     scope_modules(model, {pattern: KEPT}, in_graph=True)
     scope_modules(twin, {pattern: KEPT})
-    compiled: Callable[..., Any] = torch.compile(model.forward, fullgraph=True)
-    name_of_cache = cache_argument(model)
-    cache, twin_cache = _cache(kind, model), _cache(kind, twin)
-    ids = torch.randint(0, model.config.vocab_size, (2, PROMPT), generator=torch.Generator().manual_seed(0))
-    start = 0
-    with torch.no_grad():
-        for step in range(1 + STEPS):
-            positions = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
-            _probe.SEEN.clear()
-            got = compiled(input_ids=ids, **{name_of_cache: cache}, use_cache=True, position_ids=positions)
-            assert phases("fwd")["attention"] == [FULL] * n_attentions  # each attention, in its precision
-            assert current_fp32_precision() == DEFAULT
-            want = twin(input_ids=ids, **{name_of_cache: twin_cache}, use_cache=True, position_ids=positions)
-            torch.testing.assert_close(got.logits, want.logits, msg=f"logits, step {step}")
-            _assert_caches_equal(cache, twin_cache, step)
-            start += ids.shape[1]
-            ids = got.logits[:, -1:].argmax(-1)
-            assert torch.equal(ids, want.logits[:, -1:].argmax(-1)), f"tokens, step {step}"
-    assert sum(counters["graph_break"].values()) == 0
+    _prefill_and_decode(torch.compile(model.forward, fullgraph=True), model, twin, kind, n_attentions)
 
 
 # transformers >= 5.25 renames generate's past_key_values to cache; earlier 5.x know only the old name.
@@ -287,3 +306,29 @@ def test_a_static_cache_decode_step_allocates_no_copy_of_a_cache_layer(name: str
     scoped, size = _cache_sized_allocations(build(), scoped=True)
     assert scoped == [], f"a scoped decode step allocated {scoped} bytes (a layer's keys: {size} bytes)"
     assert current_fp32_precision() == DEFAULT
+
+
+#: Each model's whole decoder, which returns the cache it was given in its output.
+DECODERS = {"llama": "model", "gpt2": "transformer"}
+
+
+@pytest.mark.parametrize(("name", "kind"), [("llama", "dynamic"), ("llama", "static"), ("gpt2", "static")])
+def test_a_whole_decoder_as_a_region_returns_the_callers_own_cache(name: str, kind: str) -> None:
+    # A region around a model's whole decoder (LlamaModel, GPT2Model) returns the cache it
+    # was given inside its ModelOutput, as eager code does: the compiled model's output
+    # holds the caller's own cache object, updated as the eager twin's is, step by step.
+    # (Before, such a node was refused: "returned a DynamicCache inside its output".)
+    build, pattern = ATTENTIONS[name]
+    set_process_default(DEFAULT)
+    model = build()
+    attentions = _probe_inside(model, pattern)
+    twin = copy.deepcopy(model)
+    scope_modules(model, {DECODERS[name]: KEPT})
+    scope_modules(twin, {DECODERS[name]: KEPT})
+
+    def returns_the_callers_cache(step: int, got: Any, want: Any, cache: Any, twin_cache: Any) -> None:
+        assert [v is twin_cache for v in want.values()].count(True) == 1  # the premise: eager returns it
+        assert [v is cache for v in got.values()].count(True) == 1, f"step {step}: not the caller's cache"
+
+    compiled = torch.compile(model.forward, fullgraph=True)
+    _prefill_and_decode(compiled, model, twin, kind, len(attentions), check=returns_the_callers_cache)

@@ -626,3 +626,43 @@ def test_a_graph_traced_again_returns_the_constants_its_node_returns_now() -> No
     node.scale = 2.0
     torch._dynamo.reset()
     assert torch.compile(region, backend="aot_eager", fullgraph=True)(x)["scale"] == 2.0
+
+
+class ConstantOnly(torch.nn.Module):
+    """Returns a constant alone: its attribute, or None."""
+
+    def __init__(self, value: float | None) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(WIDTH, WIDTH)
+        self.value = value
+
+    def forward(self, x: torch.Tensor) -> float | None:
+        self.linear(x)
+        return self.value
+
+
+class UsesConstant(torch.nn.Module):
+    def __init__(self, value: float | None) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(WIDTH, WIDTH)
+        self.node = Fp32ScopedModule(ConstantOnly(value), FULL, in_graph=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        got = self.node(x)
+        out: torch.Tensor = self.pre(x) * (1.0 if got is None else got)
+        return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("value", [None, 3.0], ids=["none", "float"])
+def test_a_node_returning_only_a_constant_returns_it_in_one_graph(value: float | None, backend: str) -> None:
+    # (No tensor of the node's reaches the parent's output, so the graph may drop its op, as
+    # it drops any unused code: what is checked is the constant, and one graph.)
+    set_process_default(DEFAULT)
+    model = UsesConstant(value)
+    x = torch.randn(6, WIDTH)
+    got = torch.compile(model, backend=backend, fullgraph=True)(x)
+    torch.testing.assert_close(got, model.pre(x) * (1.0 if value is None else value))
+    assert current_fp32_precision() == DEFAULT
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 1
