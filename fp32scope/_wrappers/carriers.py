@@ -25,7 +25,7 @@ from typing import Any, Final
 
 import torch
 
-__all__ = ["MARK", "can_carry", "changes", "flatten", "is_marker", "rebuild", "storage", "write_back"]
+__all__ = ["MARK", "can_carry", "changes", "flatten", "is_cache_class", "is_marker", "rebuild", "storage", "write_back"]
 
 MARK: Final = "fp32scope carrier"
 _MODULE: Final = "transformers.cache_utils"
@@ -52,6 +52,11 @@ _ALWAYS: Final = ("keys", "values", "is_initialized")  # set by every layer's __
 
 def _known(cls: type) -> bool:
     return cls.__module__ == _MODULE and cls.__name__ in _FIELDS
+
+
+def is_cache_class(cls: type) -> bool:
+    """Whether ``cls`` is one of the cache classes a region carries (a node's own cache, refused in its output)."""
+    return cls.__module__ == _MODULE and cls.__name__ in _CACHES
 
 
 def can_carry(value: object) -> bool:

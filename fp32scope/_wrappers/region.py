@@ -535,15 +535,24 @@ def _flatten_out(region: Region, layout: int, out: Any, given: Sequence[Any] = (
         elif any(value is obj for obj in given):
             leaves.append(_Given(next(i for i, obj in enumerate(given) if value is obj)))
         else:
-            msg = (
-                f"Scoped node {region.name!r} returned a {type(value).__name__} inside its output in a compiled graph "
-                "with in_graph=True. An in-graph region returns tensors and constants, in any container torch's pytree "
-                "knows (tuples, lists, dicts, named tuples, registered dataclasses), and the Hugging Face caches it "
-                "was given; wrap the node with in_graph=False (a graph break around the node)."
-            )
-            raise Fp32ScopeError(msg)
+            raise Fp32ScopeError(_output_message(region, value))
     region.out_specs[layout] = (spec, tuple(leaves))
     return tensors
+
+
+def _output_message(region: Region, value: object) -> str:
+    msg = (
+        f"Scoped node {region.name!r} returned a {type(value).__name__} inside its output in a compiled graph "
+        "with in_graph=True. An in-graph region returns tensors and constants, in any container torch's pytree "
+        "knows (tuples, lists, dicts, named tuples, registered dataclasses), and the Hugging Face caches it "
+        "was given. "
+    )
+    if carriers.is_cache_class(type(value)):
+        msg += (
+            "This cache was made by the node itself (it was called without one): pass it one "
+            f"(a {type(value).__name__} as its cache argument), or call it with use_cache=False; or "
+        )
+    return msg + "wrap the node with in_graph=False (a graph break around the node)."
 
 
 # A structured output's recipe: ``(name, tree)``. ``tree`` holds constants only, so that a

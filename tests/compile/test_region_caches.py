@@ -332,3 +332,25 @@ def test_a_whole_decoder_as_a_region_returns_the_callers_own_cache(name: str, ki
 
     compiled = torch.compile(model.forward, fullgraph=True)
     _prefill_and_decode(compiled, model, twin, kind, len(attentions), check=returns_the_callers_cache)
+
+
+def test_a_decoder_returning_a_cache_it_made_itself_is_refused_saying_what_to_do() -> None:
+    # Called without a cache (use_cache=True, Llama's default), a LlamaModel makes a
+    # DynamicCache of its own and returns it: an object the region never carried in, so
+    # the parent could not get it back. Refused while the graph is traced, the flags as
+    # they were.
+    model = ATTENTIONS["llama"][0]()
+    set_process_default(DEFAULT)
+    scope_modules(model, {DECODERS["llama"]: KEPT})
+    compiled: Callable[..., Any] = torch.compile(model, fullgraph=True)
+    ids = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), pytest.raises(Exception, match=r"'model' returned a DynamicCache inside its output") as got:
+        compiled(ids)
+    message = str(got.value)
+    assert "made by the node itself" in message
+    assert "use_cache=False" in message
+    assert "in_graph=False" in message
+    assert current_fp32_precision() == DEFAULT
+    with torch.no_grad():  # and as the message says, without a cache of its own it compiles, as eager runs
+        torch.testing.assert_close(compiled(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+    assert sum(counters["graph_break"].values()) == 0
