@@ -15,6 +15,10 @@ The Python matrix: one test session per supported Python, ``tests-py<version>`` 
 ``python3.10`` ... ``python3.13`` on the PATH (with pyenv: ``PYENV_VERSION=3.11.7:3.10.13:3.12.1:3.13.0``;
 ``.ci/run`` finds them on its own). The registry's torch for Pythons other than the one the
 CPU build on disk was made for is a CUDA build, about 5 GB of venv.
+
+The corners, which CI runs (``.ci/run``): ``tests-2.4.1-py3.10`` and ``tests-2.15.0-py3.13``,
+the oldest tested release on the oldest Python and the newest on the newest, tagged
+``corners``.
 """
 
 from __future__ import annotations
@@ -114,7 +118,7 @@ def tests(session: nox.Session, torch: str) -> None:
 def _matrix_session(release: str) -> Callable[[nox.Session], None]:
     def run_tests(session: nox.Session) -> None:
         install(session, release, "test")
-        session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+        session.run("python", "-c", "import platform, torch; print(platform.python_version(), torch.__version__)")
         # pytest's -ra (pyproject.toml) lists each skip with its reason: a test that cannot
         # run on a release says why.
         session.run("pytest", "-n", TEST_WORKERS, "--dist", "worksteal", *session.posargs)
@@ -125,6 +129,24 @@ def _matrix_session(release: str) -> Callable[[nox.Session], None]:
 
 for _release in TORCH_RELEASES:
     nox.session(name=f"tests-{_release}", tags=["torch-matrix"])(_matrix_session(_release))
+
+#: The corners of the two matrices that CI runs: the oldest tested torch on the oldest
+#: supported Python and the newest on the newest (the default session is the middle: 2.13.0
+#: on 3.11). Each corner tests a release and a Python in one run of the suite, where the two
+#: matrices' rows would take four.
+CORNERS = {"2.4.1": "3.10", "2.15.0": "3.13"}
+
+
+def _corner_session(release: str, python: str) -> Callable[[nox.Session], None]:
+    run_tests = _matrix_session(release)
+    run_tests.__doc__ = f"Run the test suite on torch {release} and Python {python} (a corner of the matrices; CI)."
+    return run_tests
+
+
+for _release, _python in CORNERS.items():
+    nox.session(name=f"tests-{_release}-py{_python}", python=_python, tags=["corners"])(
+        _corner_session(_release, _python)
+    )
 
 
 def _python_session(python: str) -> Callable[[nox.Session], None]:
@@ -238,8 +260,10 @@ def mutation_regions(session: nox.Session) -> None:
 
     ``tests/_support/region_mutants.py`` applies each mutant to a copy of the repository,
     runs the region tests against it and prints each one's fate and the score; it fails
-    under 90%, or when a mutant's text is no longer in its file. About 15 minutes on two
-    cores. Arguments after ``--`` go to the script (``--only WORD``).
+    under 90%, or when a mutant's text is no longer in its file. Slow: the region tests
+    take 8 to 11 minutes unmutated on two cores, and each surviving mutant as long, so a
+    whole run of the 55 takes two to three hours. Arguments after ``--`` go to the script
+    (``--only WORD``, repeatable, runs the mutants whose name holds it).
     """
     install(session, DEFAULT_TORCH, "test")
     session.run("python", "tests/_support/region_mutants.py", *session.posargs)
