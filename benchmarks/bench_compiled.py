@@ -28,7 +28,11 @@ time with 0 scoped) / n, both loops of the same round (paired).
 
 Then, apart from the model, what a region's op adds per call (see ``op_overheads``): each
 op of the in-graph stack's region against its node's compiled code called alone, in a
-tight loop, with a do-nothing op of the same schema as the dispatcher's floor.
+tight loop, with a do-nothing op of the same schema as the dispatcher's floor. And in the
+model, paired per round with the unscoped stack, the in-graph variants with fp32scope's op
+kernels against the same graphs with bare kernels (see ``floor_rounds``: each only finds its
+node's compiled code and calls it), which is what any region that runs its node's compiled
+code from an op pays, whatever fp32scope does around it.
 
 Each variant is built from classes of its own, whose ``forward`` runs a code object of its
 own (see ``fresh``): a graph break inside a loop makes Dynamo skip that loop's code object
@@ -67,6 +71,7 @@ from torch._dynamo.utils import counters
 
 import fp32scope
 from fp32scope import Fp32Precision, Fp32ScopedModule
+from fp32scope._wrappers.inner import _entries
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
@@ -327,6 +332,47 @@ def op_overheads(model: torch.nn.Module, x: torch.Tensor, repeats: int) -> dict[
     return {name: (statistics.median(code), statistics.median(op)) for name, (code, op) in times.items()}
 
 
+def _bare_forward(_site: int, number: int, values: list[torch.Tensor]) -> Any:
+    return _entries[number]().forward.fast(list(values))  # type: ignore[union-attr, misc]
+
+
+def _bare_backward(_site: int, number: int, values: list[torch.Tensor]) -> Any:
+    return [g for g in _entries[number]().backward.fast(list(values)) if g is not None]  # type: ignore[union-attr, misc]
+
+
+def floor_rounds(cases: dict[str, Callable[[], None]], repeats: int, number: int) -> dict[str, tuple[float, float]]:
+    """Per scoped node, in the model: fp32scope's region against a bare one, ``{case: (fp32scope, bare)}`` us.
+
+    The bare region is the same graph with the ops' kernels cut to what any op that runs
+    its node's separately compiled code pays: the dispatcher's call of a Python kernel, the
+    entry found by number, the compiled code called (no scope, no state or stride check, no
+    layout or copy fix-up). Their code objects are swapped in and out per half round, so the
+    two are paired with the unscoped stack in the same round. Reads and patches fp32scope's
+    private ``inner`` module on purpose (a bench, not a use).
+    """
+    from fp32scope._wrappers import inner
+
+    kernels = (inner._inner_impl, inner._inner_bwd_impl)
+    own = tuple(k.__code__ for k in kernels)
+    bare = (_bare_forward.__code__, _bare_backward.__code__)
+    base = {what: cases[f"{label('whole-model', 0)}: {what}"] for what in ("train step", "no_grad call")}
+    scoped = [(n, what, cases[f"{label('in-graph', n)}: {what}"]) for n in (1, 4) for what in base]
+    paired: dict[str, tuple[list[float], list[float]]] = {f"{what}, {n} scoped": ([], []) for n, what, _ in scoped}
+    try:
+        for _ in range(repeats):
+            for side, codes in enumerate((own, bare)):
+                for kernel, code in zip(kernels, codes, strict=True):
+                    kernel.__code__ = code
+                took = {what: timeit.Timer(fn).timeit(number=number) / number for what, fn in base.items()}
+                for n, what, fn in scoped:
+                    mine = timeit.Timer(fn).timeit(number=number) / number
+                    paired[f"{what}, {n} scoped"][side].append((mine - took[what]) / n * 1e6)
+    finally:
+        for kernel, code in zip(kernels, own, strict=True):
+            kernel.__code__ = code
+    return {name: (statistics.median(a), statistics.median(b)) for name, (a, b) in paired.items()}
+
+
 def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915  (one flat script)
     """Build, compile, check, measure; print the figures (and JSON with ``--json``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -432,6 +478,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915 
     added = {name: op - code for name, (code, op) in overheads.items()}
     step = added["inner_fwd"] + added["inner_bwd"]
     print(f"  added per no_grad call {added['inner']:.1f}, per training step (forward and backward op) {step:.1f}")
+    floor = floor_rounds(cases, args.repeats, args.number)
+    print("a region per scoped node in the model (paired as above): fp32scope's ops against bare ones, us")
+    print("  (bare: each op's kernel only finds its node's compiled code and calls it; see floor_rounds)")
+    for name, (own_us, bare_us) in floor.items():
+        print(f"  in-graph, {name}: fp32scope {own_us:.1f}, bare {bare_us:.1f}")
     if args.json:
         report = {
             "median_us": med,
@@ -439,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915 
             "python_forwards": eager,
             "per_scoped_node_us": per_node,
             "op_overhead_us": overheads,
+            "bare_region_us": floor,
         }
         print(json.dumps(report, indent=2))
     return 0

@@ -21,7 +21,11 @@ TINY = ("--number", "4", "--repeats", "1")
         (
             "bench_compiled.py",
             TINY,
-            ("Python forward frames in a warm train step", "a region's op against its node's compiled code alone"),
+            (
+                "Python forward frames in a warm train step",
+                "a region's op against its node's compiled code alone",
+                "fp32scope's ops against bare ones",
+            ),
         ),
         (
             "bench_decode.py",
