@@ -479,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: C901, PLR0912, PLR0915 
     step = added["inner_fwd"] + added["inner_bwd"]
     print(f"  added per no_grad call {added['inner']:.1f}, per training step (forward and backward op) {step:.1f}")
     floor = floor_rounds(cases, args.repeats, args.number)
+    if counters["frames"]["total"] != frames_before:
+        print("error: a call timed with bare kernels compiled again; the figures would include it", file=sys.stderr)
+        return 1
     print("a region per scoped node in the model (paired as above): fp32scope's ops against bare ones, us")
     print("  (bare: each op's kernel only finds its node's compiled code and calls it; see floor_rounds)")
     for name, (own_us, bare_us) in floor.items():
