@@ -61,7 +61,8 @@ from torch.utils import _pytree
 
 import fp32scope
 from fp32scope import Fp32Precision, scope_modules
-from fp32scope._wrappers import carriers, layouts, region
+from fp32scope._wrappers import carriers, layouts
+from fp32scope._wrappers.region import inside as region  # where update_caches_in_place is read
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 

@@ -18,7 +18,7 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import torch
 
@@ -42,11 +42,14 @@ __all__ = [
     "cpu_capability",
     "dtensor_type",
     "dynamo_isinstance_as_python",
+    "dynamo_refusal",
     "export_node_graph",
     "fsdp2_param_dtype",
     "graph_callable",
     "is_dynamo_compiling",
     "is_exporting",
+    "recompile_limit",
+    "tracing_one_graph",
     "treespec_children",
 ]
 
@@ -163,6 +166,55 @@ DYNAMO_ENTERS_SCOPES_MADE_OUTSIDE: Final[bool] = _release_at_least(2, 14)
 #: tests/compile/test_region_caches.py); 2.5 to 2.7 are not checked and copy, as 2.4 does
 #: (whose transformers cannot run the Hugging Face check).
 REGION_OPS_UPDATE_CACHES_IN_PLACE: Final[bool] = _release_at_least(2, 8)
+
+
+def tracing_one_graph() -> bool:
+    """Whether Dynamo is tracing a frame that must compile as one graph (``fullgraph=True``).
+
+    Read from the running translator (``one_graph``; ``error_on_graph_break`` where torch has
+    it); False outside a trace, and on a torch that names neither.
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        translator = InstructionTranslator.current_tx()
+    except Exception:  # noqa: BLE001  (no translator: no trace, or another torch's internals)
+        return False
+    return bool(getattr(translator, "one_graph", False) or getattr(translator, "error_on_graph_break", False))
+
+
+_dynamo_refusals: dict[type, type] = {}
+
+
+def dynamo_refusal(base: type[Exception], msg: str) -> Exception:
+    """An instance of ``base`` that is also Dynamo's ``Unsupported``, so that Dynamo raises it as it is.
+
+    Raised while Dynamo traces a ``fullgraph=True`` frame, any other exception reaches the
+    user wrapped in ``InternalTorchDynamoError``; an ``Unsupported`` is re-raised unchanged
+    on every supported release (whose constructors all take the message first).
+    """
+    from torch._dynamo.exc import Unsupported
+
+    cls = _dynamo_refusals.get(base)
+    if cls is None:
+
+        def init(self: Exception, message: str) -> None:
+            Unsupported.__init__(self, message)  # type: ignore[arg-type]  # (sets Dynamo's own fields)
+
+        cls = type(base.__name__, (base, Unsupported), {"__init__": init, "__module__": base.__module__})
+        _dynamo_refusals[base] = cls
+    return cast("Exception", cls(msg))
+
+
+def recompile_limit() -> int:
+    """Dynamo's limit on the graphs it keeps per code object (``cache_size_limit`` before torch 2.6).
+
+    Read at each use: a user may change it at any time.
+    """
+    config = torch._dynamo.config
+    limit = getattr(config, "recompile_limit", None)
+    return int(config.cache_size_limit if limit is None else limit)
+
 
 COMPILING_FLAG: Final = "_is_compiling_flag"
 #: Whether ``torch.compiler.is_compiling()`` returns torch.compiler's module flag

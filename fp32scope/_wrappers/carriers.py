@@ -25,7 +25,18 @@ from typing import Any, Final
 
 import torch
 
-__all__ = ["MARK", "can_carry", "changes", "flatten", "is_cache_class", "is_marker", "rebuild", "storage", "write_back"]
+__all__ = [
+    "MARK",
+    "can_carry",
+    "changes",
+    "flatten",
+    "is_cache_class",
+    "is_marker",
+    "rebuild",
+    "refusal",
+    "storage",
+    "write_back",
+]
 
 MARK: Final = "fp32scope carrier"
 _MODULE: Final = "transformers.cache_utils"
@@ -75,6 +86,30 @@ def can_carry(value: object) -> bool:
     if getattr(value, "offloading", True) or (replicate is not None and replicate.__name__ != "DynamicLayer"):
         return False
     return all(_known(type(layer)) for layer in getattr(value, "layers", ()))
+
+
+def refusal(value: object) -> str:  # noqa: PLR0911  (a return per reason)
+    """Why a region does not carry ``value``, a Hugging Face cache, in words; "" for any other object.
+
+    Dynamo inlines this where a call cannot be a region (its words are constants of the trace).
+    """
+    if isinstance(value, (torch.Tensor, tuple, list, dict, type(None), bool, int, float, str)):
+        return ""
+    cls = type(value)
+    if cls.__module__ != _MODULE:
+        return ""
+    carried = "a region carries DynamicCache and StaticCache objects of DynamicLayer and StaticLayer layers"
+    if cls.__name__ not in _CACHES:
+        return f"{cls.__name__} is not carried ({carried})"
+    if getattr(value, "offloading", True):
+        return f"this {cls.__name__} offloads its layers ({carried}, not offloaded)"
+    replicate = getattr(value, "layer_class_to_replicate", None)
+    if replicate is not None and replicate.__name__ != "DynamicLayer":
+        return f"this {cls.__name__} adds {replicate.__name__} layers ({carried})"
+    for layer in getattr(value, "layers", ()):
+        if not _known(type(layer)):
+            return f"this {cls.__name__} holds {type(layer).__name__} layers ({carried})"
+    return ""
 
 
 def flatten(value: Any) -> tuple[Any, ...]:

@@ -38,11 +38,11 @@ from typing import Any, Final, cast
 
 import torch
 
-from fp32scope._compat import export_node_graph, graph_callable
+from fp32scope._compat import export_node_graph, graph_callable, recompile_limit
 from fp32scope._errors import Fp32ScopeError
 from fp32scope._flags import dynamo_exclude
 
-__all__ = ["Entry", "apply", "build", "is_static", "node_state", "state_holds", "wants_inductor"]
+__all__ = ["Entry", "Like", "apply", "build", "is_static", "node_state", "state_holds", "variant", "wants_inductor"]
 
 _lib = torch.library.Library("fp32scope", "FRAGMENT")  # type: ignore[no-untyped-call]  # torch's untyped API
 _numbers = itertools.count(1)
@@ -210,14 +210,18 @@ class Entry:
         "forward",
         "grads",
         "in_place",
+        "last",
+        "lock",
         "n_out",
         "name",
         "number",
+        "retrace",
         "scope",
         "sources",
         "state",
         "tangents",
         "traced",
+        "variants",
         "watched",
     )
 
@@ -249,6 +253,12 @@ class Entry:
         self.watched: list[tuple[dict[str, Any], str]] = []
         self.traced: list[object] = []
         self.name = ""
+        # The node's graphs traced again for other values of those attributes, by value
+        # (see variant), and what traces them: set by the region, None where it cannot.
+        self.retrace: Callable[[], Entry | None] | None = None
+        self.variants: dict[tuple[object, ...], Entry] = {}
+        self.last: Entry = self  # the graphs the last forward ran, which its backward must match
+        self.lock = threading.Lock()
         _entries[self.number] = weakref.ref(self, _forget(self.number))
 
     def hold(self, state: tuple[tuple[dict[str, Any], str, object], ...], name: str) -> None:
@@ -257,6 +267,12 @@ class Entry:
         self.watched = [(attributes, key) for attributes, key, _ in state]
         self.traced = [value for *_, value in state]
         self.name = name
+
+    def signature(self) -> tuple[Any, ...]:
+        """What the parent's graph holds of these graphs: the ops' outputs and what the backward takes."""
+        outputs = _output_nodes(self.forward.gm)
+        dtypes = tuple(None if o is None else o.meta["val"].dtype for o in outputs)
+        return (self.n_out, self.tangents, self.grads, self.sources, self.in_place, self.forward.outputs, dtypes)
 
 
 def _forget(number: int) -> Callable[[object], None]:
@@ -279,9 +295,25 @@ def _entry(number: int) -> Entry:
     return entry
 
 
+class Like:
+    """A tensor's shape, strides, dtype and device: all :func:`build` reads of the values it traces for."""
+
+    __slots__ = ("device", "dtype", "shape", "strides")
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.shape = tuple(value.shape)
+        self.strides = tuple(value.stride())
+        self.dtype = value.dtype
+        self.device = value.device
+
+    def stride(self) -> tuple[int, ...]:
+        """The strides, as a tensor's ``stride()``."""
+        return self.strides
+
+
 def build(  # noqa: PLR0913  (the trace's inputs, and the updates it may make)
     fn: Callable[..., list[torch.Tensor]],
-    values: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor | Like],
     grad_mask: int,
     scopes: tuple[Any, Any],
     *,
@@ -510,27 +542,79 @@ def state_holds(entry: Entry) -> bool:
     return [attributes.get(name, _GONE) for attributes, name in entry.watched] == entry.traced
 
 
-def _check_state(entry: Entry) -> None:
-    # The graphs hold what the node's Python read while it was traced: an attribute changed
-    # since (a dropout's p, a flag the forward branches on) would be silently ignored.
+def _changed(entry: Entry) -> str:
+    """The first of the node's plain attributes that differs from the value ``entry`` was traced with."""
     for attributes, name, value in entry.state:
         now = attributes.get(name, _GONE)
-        if now is value or now == value:
-            continue
-        msg = (
-            f"Scoped node {entry.name!r} is compiled inside its region (Inductor), traced with its attribute "
-            f"{name!r} = {value!r}, which is now {'deleted' if now is _GONE else repr(now)}. The compiled "
-            "code would ignore the change. Compile the parent again (torch.compiler.reset(), then call it), "
-            "or make the node eager=True (run as eager runs it, its Python at every call)."
-        )
-        raise Fp32ScopeError(msg)
+        if not (now is value or now == value):
+            return f"its attribute {name!r} = {value!r}, now {'deleted' if now is _GONE else repr(now)}"
+    return "its attributes"  # (changed back meanwhile, by another thread)
+
+
+def variant(entry: Entry) -> Entry:
+    """The node's graphs for its plain attributes as they are now: ``entry`` or one traced again for them.
+
+    As plain ``torch.compile`` recompiles a frame whose module attributes changed, the node's
+    graphs are traced again for the new values and kept per value, as many as Dynamo's
+    recompile limit allows. The parent's compiled graph holds what the ops return, so graphs
+    traced again must return the same: a change that alters the outputs' number, shapes or
+    dtypes, or what the backward takes, is an error saying to compile the parent again.
+    """
+    key = tuple(attributes.get(name, _GONE) for attributes, name in entry.watched)
+    found = entry.variants.get(key)
+    if found is not None:
+        return found
+    with entry.lock:
+        found = entry.variants.get(key)
+        if found is not None:
+            return found
+        what = _changed(entry)
+        limit = recompile_limit()
+        if entry.retrace is not None and len(entry.variants) + 1 >= limit:
+            msg = (
+                f"Scoped node {entry.name!r} is compiled inside its region (Inductor), and {what}: its graphs "
+                f"were traced for {len(entry.variants) + 1} values of its attributes already, Dynamo's recompile "
+                f"limit ({limit}; torch._dynamo.config.recompile_limit). Raise the limit, compile the parent "
+                "again (torch.compiler.reset(), then call it), or make the node eager=True (its Python run at "
+                "every call)."
+            )
+            raise Fp32ScopeError(msg)
+        found = None if entry.retrace is None else entry.retrace()
+        if found is None or found.signature() != entry.signature():
+            how = (
+                "could not be traced again for the new values"
+                if found is None
+                else "traced again for the new values, returns other outputs than the compiled parent holds"
+            )
+            msg = (
+                f"Scoped node {entry.name!r} is compiled inside its region (Inductor), and {what}; the node {how}. "
+                "Compile the parent again (torch.compiler.reset(), then call it), or make the node eager=True "
+                "(its Python run at every call)."
+            )
+            raise Fp32ScopeError(msg)
+        entry.variants[key] = found
+        return found
 
 
 def _checked_entry(number: int) -> Entry:
     entry = _entry(number)
-    if not state_holds(entry):
-        _check_state(entry)
-    return entry
+    # One list comparison at every call; a changed attribute picks (or traces) its graphs.
+    chosen = entry if state_holds(entry) else variant(entry)
+    entry.last = chosen
+    return chosen
+
+
+def _backward_entry(number: int) -> Entry:
+    entry = _entry(number)
+    chosen = entry if state_holds(entry) else variant(entry)
+    if chosen is not entry.last:
+        msg = (
+            f"Scoped node {entry.name!r} is compiled inside its region (Inductor), and {_changed(entry.last)} "
+            "between its forward and its backward: the backward would not be the forward's. Change a node's "
+            "attributes between training steps, not between a forward and its backward."
+        )
+        raise Fp32ScopeError(msg)
+    return chosen
 
 
 def _inner_impl(_site: int, number: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -566,7 +650,7 @@ def _returned(out: list[torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, ...
 
 
 def _inner_bwd_impl(_site: int, number: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
-    entry = _entry(number)
+    entry = _backward_entry(number)
     backward = cast("_Graph", entry.backward)
     with entry.backward_scope:
         out = backward.run(values)
@@ -687,8 +771,10 @@ dynamo_exclude.exclude(
     _copy,
     _entry,
     _checked_entry,
+    _backward_entry,
+    variant,
     state_holds,
-    _check_state,
+    _changed,
     _Graph.run,
     _Graph._first_run,
     _Graph._compile,

@@ -1,6 +1,6 @@
 """Hand-made mutants of the in-graph region code, and whether the region tests kill each.
 
-mutmut cannot mutate ``_wrappers/region.py``, ``_wrappers/carriers.py``,
+mutmut cannot mutate ``_wrappers/region/``, ``_wrappers/carriers.py``,
 ``_wrappers/layouts.py`` and ``_wrappers/inner.py`` usefully: their tests compile, and
 Dynamo cannot trace mutmut's trampolines. So each mutant here is one edit a plausible wrong implementation would make (a
 copy left out, a scope not entered, a write-back skipped), named with what it breaks.
@@ -36,9 +36,16 @@ TESTS = (
     "tests/compile/test_region_caches.py",
     "tests/compile/test_eager_nodes.py",
     "tests/compile/test_inner.py",
+    "tests/compile/test_region_state.py",
+    "tests/compile/test_region_faults.py",
     "tests/wrappers/test_layouts.py",
 )
-REGION = "fp32scope/_wrappers/region.py"
+REGION = "fp32scope/_wrappers/region"  # a package: a mutant names the module its text is in
+REGIONS = f"{REGION}/regions.py"
+BOUNDARY = f"{REGION}/boundary.py"
+EAGER = f"{REGION}/eager.py"
+INSIDE = f"{REGION}/inside.py"
+ENTRY = f"{REGION}/entry.py"
 CARRIERS = "fp32scope/_wrappers/carriers.py"
 INNER = "fp32scope/_wrappers/inner.py"
 PROXY = "fp32scope/_wrappers/proxy.py"
@@ -57,175 +64,175 @@ class Mutant(NamedTuple):
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "outputs aliasing an input leave uncopied",
-        REGION,
+        BOUNDARY,
         "        if storage._cdata in seen or o.storage_offset() != 0 or",
         "        if False and storage._cdata in seen or o.storage_offset() != 0 or",
     ),
     Mutant(
         "outputs at an offset leave uncopied",
-        REGION,
+        BOUNDARY,
         "        if storage._cdata in seen or o.storage_offset() != 0 or",
         "        if storage._cdata in seen or False or",
     ),
     Mutant(
         "training outputs leave uncopied",
-        REGION,
+        EAGER,
         "    return [o.detach().clone() for o in outputs], updates, saved",
         "    return [o.detach() for o in outputs], updates, saved",
     ),
     Mutant(
         "tensor arguments kept by the saved graph are not copied",
-        REGION,
+        EAGER,
         "    op.tensors = [t.detach().clone().requires_grad_(",
         "    op.tensors = [t.detach().requires_grad_(",
     ),
     Mutant(
         "updated buffers run on the caller's buffers",
-        REGION,
+        EAGER,
         "            op.buffers[i] = op.buffers[i].clone()",
         "            op.buffers[i] = op.buffers[i]",
     ),
     Mutant(
         "updated buffers are not written back",
-        REGION,
+        ENTRY,
         "        buffers[i].copy_(update)",
         "        buffers[i].detach()",
     ),
     Mutant(
         "a static cache's in-place updates are not written back",
-        REGION,
+        ENTRY,
         "        tensors[i].copy_(update)",
         "        tensors[i].detach()",
     ),
     Mutant(
         "the no-grad forward runs outside the node's scope",
-        REGION,
+        EAGER,
         "        with region.scope:  # no graph to record",
         "        with contextlib.nullcontext():  # no graph to record",
     ),
     Mutant(
         "the training forward runs outside the node's scope",
-        REGION,
+        EAGER,
         "            with _AboveAutograd(), torch.enable_grad(), region.scope:",
         "            with _AboveAutograd(), torch.enable_grad():",
     ),
     Mutant(
         "the backward runs outside the node's scope",
-        REGION,
+        EAGER,
         "        with region.backward_scope:\n            found = torch.autograd.grad(",
         "        with contextlib.nullcontext():\n            found = torch.autograd.grad(",
     ),
     Mutant(
         "the backward is reported as the node's forward",
-        REGION,
+        EAGER,
         "        with region.backward_scope:\n            found = torch.autograd.grad(",
         "        with region.scope:\n            found = torch.autograd.grad(",
     ),
     Mutant(
         "the kept graph is freed by the first backward",
-        REGION,
+        EAGER,
         "                allow_unused=True,\n                retain_graph=True,",
         "                allow_unused=True,\n                retain_graph=False,",
     ),
     Mutant(
         "a kept graph outlives its token",
-        REGION,
+        EAGER,
         "    weakref.finalize(token, _forget, number)",
         "    weakref.finalize(token, int, number)",
     ),
     Mutant(
         "two calls of one region share a number (merged by CSE)",
-        REGION,
+        ENTRY,
         "    numbers = [next(_sites), layout,",
         "    numbers = [0, layout,",
     ),
     Mutant(
         "inputs the outputs never reach get zeros, not None",
-        REGION,
+        EAGER,
         "            if need and reached is not None and not next(reached):",
         "            if need and reached is not None and not next(reached) and False:",
     ),
     Mutant(
         "autograd stays off in the training forward",
-        REGION,
+        EAGER,
         "        if _BELOW_AUTOGRAD and exclude.has(_BELOW_AUTOGRAD[0]):",
         "        if False:",
     ),
     Mutant(
         "the caller's autocast is not carried",
-        REGION,
+        BOUNDARY,
         "    if not torch._C._is_any_autocast_enabled():\n        return out",
         "    if True:\n        return out",
     ),
     Mutant(
         "an autocast=False node runs under the caller's autocast",
-        REGION,
+        BOUNDARY,
         "        if region.policy.mode is False:",
         "        if False:",
     ),
     Mutant(
         "a tensor reached by closure is not refused",
-        REGION,
+        EAGER,
         "            if id(variable) not in mine:",
         "            if False:",
     ),
     Mutant(
         "export of a model with a region is not refused",
-        REGION,
-        "    if is_exporting():\n        _refuse_export(region)",
-        "    if False:\n        _refuse_export(region)",
+        ENTRY,
+        "    if is_exporting():\n        _refuse_export(region.name)",
+        "    if False:\n        _refuse_export(region.name)",
     ),
     Mutant(
         "writes declared by ops are not recorded (batch norm statistics)",
-        REGION,
+        EAGER,
         "        if argument.alias_info is None or not argument.alias_info.is_write:\n            return",
         "        if True:\n            return",
     ),
     Mutant(
         "constants in a node's output are lost",
-        REGION,
+        BOUNDARY,
         "        elif isinstance(value, _CONSTANTS):\n            leaves.append(value)",
         "        elif isinstance(value, _CONSTANTS):\n            leaves.append(None)",
     ),
     Mutant(
         "an output's constants are rebuilt as None",
-        REGION,
+        BOUNDARY,
         '    if kind == "c":\n        return tree[1]',
         '    if kind == "c":\n        return None',
     ),
     Mutant(
         "a cache the node returns is handed back as the op's rebuilt copy, not the caller's",
-        REGION,
+        BOUNDARY,
         "            leaves.append(_Given(next(i for i, obj in enumerate(given) if value is obj)))",
         "            leaves.append(value)",
     ),
     Mutant(
         "a node returning one constant returns nothing",
-        REGION,
+        BOUNDARY,
         "    if spec is None or (leaves == (_TENSOR,) and spec.is_leaf()):",
         "    if spec is None or spec.is_leaf():",
     ),
     Mutant(
         "an output's pytree containers are rebuilt as lists",
-        REGION,
+        BOUNDARY,
         "    return unflatten(kids, context)",
         "    return kids",
     ),
     Mutant(
         "region numbers are alike in every process (disk caches serve another's graph)",
-        REGION,
+        REGIONS,
         "_PROCESS: Final = secrets.randbits(24) << 32",
         "_PROCESS: Final = 0",
     ),
     Mutant(
         "an argument a region cannot carry is not a graph break",
-        REGION,
+        ENTRY,
         "    if not all(i in carried or _carriable(v) for i, v in enumerate(values)):",
         "    if False:",
     ),
     Mutant(
         "the object-argument warning fires on every call",
-        REGION,
+        ENTRY,
         "        region.warned_break = True\n",
         "        region.warned_break = False\n",
     ),
@@ -274,18 +281,66 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "a changed attribute of a compiled-inside node is ignored",
         INNER,
-        "    if not state_holds(entry):\n        _check_state(entry)",
-        "    if False:\n        _check_state(entry)",
+        "    chosen = entry if state_holds(entry) else variant(entry)\n    entry.last = chosen",
+        "    chosen = entry\n    entry.last = chosen",
+    ),
+    Mutant(
+        "a changed attribute of a compiled-inside node's submodule is ignored",
+        INNER,
+        "        for sub in module.modules()\n",
+        "        for sub in (module,)\n",
+    ),
+    Mutant(
+        "graphs traced again for a changed attribute run whatever they return",
+        INNER,
+        "        if found is None or found.signature() != entry.signature():",
+        "        if found is None:",
+    ),
+    Mutant(
+        "graphs are traced again past Dynamo's recompile limit",
+        INNER,
+        "        if entry.retrace is not None and len(entry.variants) + 1 >= limit:",
+        "        if False:",
+    ),
+    Mutant(
+        "graphs traced for a changed attribute are not kept (traced again at every call)",
+        INNER,
+        "        entry.variants[key] = found\n",
+        "        pass\n",
+    ),
+    Mutant(
+        "a backward runs the graphs of attributes changed after its forward",
+        INNER,
+        "    if chosen is not entry.last:",
+        "    if False:",
+    ),
+    Mutant(
+        "a parameter the node hands back leaves the op uncopied",
+        EAGER,
+        "itertools.chain(given, op.params, op.buffers)",
+        "itertools.chain(given, op.buffers)",
+    ),
+    Mutant(
+        "the caller's autocast is re-entered without its dtype",
+        BOUNDARY,
+        "            stack.enter_context(torch.autocast(device, dtype=_AUTOCAST_DTYPES[dtype]))",
+        "            stack.enter_context(torch.autocast(device))",
+    ),
+    Mutant(
+        "a second cache is rebuilt from the first one's tensors",
+        REGIONS,
+        '                marker = cast("tuple[Any, ...]", values[position])',
+        '                marker = cast("tuple[Any, ...]", values[where.positions[0]])',
     ),
     Mutant(
         "a node with hooks is compiled inside (its hooks run only when traced)",
-        REGION,
+        INSIDE,
         "    if not _has_hooks(region.module):",
         "    if True:",
     ),
     Mutant(
         "a node changing its own attributes is compiled inside",
-        REGION,
+        INSIDE,
         "        if entry is not None and [v for *_, v in traced] != [v for *_, v in state]:",
         "        if False:",
     ),
@@ -327,13 +382,13 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "a compiled-inside cache region's updated tensors written back from the wrong outputs",
-        REGION,
+        ENTRY,
         "            out = [*out[len(written) :], *out[: len(written)]]",
         "            out = list(out)",
     ),
     Mutant(
         "a compiled-inside cache region drops the tensors its node binds anew",
-        REGION,
+        INSIDE,
         "            return out if plan is None else out + _rebound_as_planned(region, plan, objects)",
         "            return out",
     ),
@@ -357,7 +412,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "a compiled-inside static cache's keys and values are copied into the op and back",
-        REGION,
+        INSIDE,
         "    return tuple(i for i in plan.inplace if i in storage)",
         "    return ()",
     ),
