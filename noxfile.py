@@ -232,6 +232,16 @@ def examples(session: nox.Session, torch: str) -> None:
         session.run("python", str(script))
 
 
+@nox.session
+@nox.parametrize("torch", TORCH_VERSIONS)
+def zoo(session: nox.Session, torch: str) -> None:
+    """Run the whole model zoo (tests/zoo): every architecture and check; CI's default run checks a few."""
+    install(session, torch, "test")
+    session.run(
+        "pytest", "-n", TEST_WORKERS, "--dist", "worksteal", "tests/zoo", *session.posargs, env={"FP32SCOPE_ZOO": "1"}
+    )
+
+
 @nox.session(tags=["mutation"])
 @nox.parametrize("torch", TORCH_VERSIONS)
 def mutation(session: nox.Session, torch: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, cast
@@ -39,6 +40,7 @@ __all__ = [
     "TORCH_RELEASE",
     "active_callback",
     "aoti_packaging_missing",
+    "compiles_in_op",
     "cpu_capability",
     "dtensor_type",
     "dynamo_isinstance_as_python",
@@ -49,6 +51,7 @@ __all__ = [
     "is_dynamo_compiling",
     "is_exporting",
     "recompile_limit",
+    "tracing_backend",
     "tracing_one_graph",
     "treespec_children",
 ]
@@ -181,6 +184,37 @@ def tracing_one_graph() -> bool:
     except Exception:  # noqa: BLE001  (no translator: no trace, or another torch's internals)
         return False
     return bool(getattr(translator, "one_graph", False) or getattr(translator, "error_on_graph_break", False))
+
+
+#: The backends that do not compile a region's node in its op: Inductor compiles it inside
+#: (``_wrappers.inner``) or runs it eagerly there; a CUDA graph cannot be replayed inside an op.
+_NOT_IN_OP: Final = frozenset({"inductor", "cudagraphs"})
+
+
+def tracing_backend() -> Callable[..., Any] | None:
+    """The backend of the graph Dynamo is tracing now; None outside a trace."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        backend = InstructionTranslator.current_tx().output.compiler_fn
+    except Exception:  # noqa: BLE001  (no translator: no trace, or another torch's internals)
+        return None
+    return cast("Callable[..., Any] | None", backend)
+
+
+def compiles_in_op(backend: Callable[..., Any]) -> bool:
+    """Whether a region's op should compile its node with ``backend``, its parent's.
+
+    Not Inductor and cudagraphs (``_NOT_IN_OP``), and not where Dynamo does not take a
+    module's parameters as inputs (``inline_inbuilt_nn_modules`` off, torch 2.4's default):
+    there it guards each by identity, and the op binds new ones at every training call,
+    which would compile the node again at every call.
+    """
+    if getattr(backend, "__name__", None) in _NOT_IN_OP:
+        return False
+    with warnings.catch_warnings():  # (torch >= 2.13: deprecated, always on)
+        warnings.simplefilter("ignore", FutureWarning)
+        return bool(getattr(torch._dynamo.config, "inline_inbuilt_nn_modules", False))
 
 
 _dynamo_refusals: dict[type, type] = {}

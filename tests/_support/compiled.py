@@ -6,13 +6,15 @@ Used by ``tests/compile/`` and by the compiled-policy tests in ``tests/wrappers/
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import CodeType, FrameType
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch._dynamo
@@ -113,3 +115,40 @@ def run(
             for _ in range(calls - 1):
                 call()
     assert torch.get_float32_matmul_precision() == DEFAULT.matmul
+
+
+def dynamo_inlines_modules() -> bool:
+    """Whether Dynamo takes modules' parameters as graph inputs (``inline_inbuilt_nn_modules``; not on torch 2.4)."""
+    with warnings.catch_warnings():  # (deprecated from torch 2.13: always on)
+        warnings.simplefilter("ignore", FutureWarning)
+        return bool(getattr(torch._dynamo.config, "inline_inbuilt_nn_modules", False))
+
+
+def node_graphs(backend: object) -> int:
+    """The Dynamo graphs a region's node adds of its own: 1 where its op compiles it with the parent's backend.
+
+    That is every backend but Inductor (which compiles the node inside, no Dynamo graph of its
+    own) and cudagraphs, where Dynamo inlines modules; 0 elsewhere (the node eager in its op).
+    """
+    if backend in {"inductor", "cudagraphs"} or not dynamo_inlines_modules():
+        return 0
+    return 1
+
+
+def parent_graphs() -> int:
+    """Dynamo's graphs since its reset, less those of regions' nodes compiled in their ops.
+
+    A node compiled by its parent's backend in its op (every backend but Inductor) is a
+    frame of its own, a trampoline per node, whose graphs Dynamo counts among its
+    ``unique_graphs``: these are its cache entries, for every live region.
+    """
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from fp32scope._wrappers.region import regions
+
+    own = 0
+    for region in list(regions._regions.values()):
+        for call in region._compiled_calls.values():
+            trampoline = cast("Any", cast("functools.partial[Any]", call).func)._torchdynamo_orig_callable
+            own += len(_debug_get_cache_entry_list(trampoline.__code__))
+    return int(counters["stats"]["unique_graphs"]) - own

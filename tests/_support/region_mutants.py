@@ -38,6 +38,7 @@ TESTS = (
     "tests/compile/test_inner.py",
     "tests/compile/test_region_state.py",
     "tests/compile/test_region_faults.py",
+    "tests/compile/test_region_backends.py",
     "tests/wrappers/test_layouts.py",
 )
 REGION = "fp32scope/_wrappers/region"  # a package: a mutant names the module its text is in
@@ -143,8 +144,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "two calls of one region share a number (merged by CSE)",
         ENTRY,
-        "    numbers = [next(_sites), layout,",
-        "    numbers = [0, layout,",
+        "        numbers = [\n            next(_sites),\n",
+        "        numbers = [\n            0,\n",
     ),
     Mutant(
         "inputs the outputs never reach get zeros, not None",
@@ -315,6 +316,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "    if False:",
     ),
     Mutant(
+        "a region's node runs eagerly in its op under its parent's backend",
+        ENTRY,
+        "        backend = _backend(region)\n",
+        "        backend = 0\n",
+    ),
+    Mutant(
+        "a backend running the parent's graph as Python compiles nothing in the op",
+        ENTRY,
+        "        return region.traced_backend\n",
+        "        return 0\n",
+    ),
+    Mutant(
         "a parameter the node hands back leaves the op uncopied",
         EAGER,
         "itertools.chain(given, op.params, op.buffers)",
@@ -341,8 +354,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "a node changing its own attributes is compiled inside",
         INSIDE,
-        "        if entry is not None and [v for *_, v in traced] != [v for *_, v in state]:",
-        "        if False:",
+        "    if entry is None or [v for *_, v in traced] != [v for *_, v in state]:",
+        "    if entry is None:",
     ),
     Mutant(
         "compiled graphs get inputs laid out other than they were compiled for",

@@ -110,18 +110,6 @@ def test_under_inductor_a_region_node_runs_compiled_inside_its_op_in_its_precisi
     assert sum(counters["graph_break"].values()) == 0
 
 
-def test_under_aot_eager_a_region_node_runs_eagerly_inside_its_op() -> None:
-    set_process_default(DEFAULT)
-    model = Parent(Node(), FULL)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    x = torch.randn(4, WIDTH)
-    _step(compiled, x, train=True)
-    with python_frames(Node.forward.__code__) as frames:
-        _step(compiled, x, train=True)
-    assert frames == [1]  # once per call: the node's own eager forward, in its op
-    assert phases("fwd")["node"][-1] == FULL
-
-
 class Unused(torch.nn.Module):
     """Reads only its first argument: the second, which needs a gradient, gets none."""
 

@@ -11,7 +11,7 @@ nothing: only the numbers, compared with the eager scoped twin, show it.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -35,10 +35,9 @@ def _clear_probes() -> None:
 
 
 def _eager_twin(model: torch.nn.Module, **options: Any) -> torch.nn.Module:
-    twin = copy.deepcopy(model)
-    node = twin.node.__wrapped__  # type: ignore[union-attr]
-    twin.node = Fp32ScopedModule(node, FULL, in_graph=False, **options)
-    return twin
+    twin: Any = copy.deepcopy(model)
+    twin.node = Fp32ScopedModule(twin.node.__wrapped__, FULL, in_graph=False, **options)
+    return cast("torch.nn.Module", twin)
 
 
 class HandsBack(torch.nn.Module):
@@ -64,7 +63,8 @@ class UsesWeight(torch.nn.Module):
         # The weight's last use, elementwise, into a tensor of its size: an op's output is the
         # graph's own memory, which Inductor reuses in place (its inplace_buffers).
         h = torch.tanh(weight * 2.0) + 1.0
-        return h @ y
+        out: torch.Tensor = h @ y
+        return out
 
 
 @BACKENDS
@@ -72,7 +72,7 @@ def test_a_parameter_the_node_hands_back_is_never_overwritten_by_the_graph_aroun
     torch.manual_seed(0)
     model = UsesWeight()
     twin = _eager_twin(model)
-    weight = model.node.linear.weight  # type: ignore[union-attr]
+    weight = cast("Any", model.node).linear.weight
     before = weight.detach().clone()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     x = torch.randn(WIDTH, WIDTH)

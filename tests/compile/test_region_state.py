@@ -111,7 +111,7 @@ def _set(model: Parent, twin: Parent, path: str, value: object) -> None:
 def _recompile_limit(limit: int) -> Iterator[None]:
     config = torch._dynamo.config
     name = "recompile_limit" if "recompile_limit" in config._config else "cache_size_limit"  # type: ignore[attr-defined]
-    with config.patch(**{name: limit}):
+    with config.patch(name, limit):
         yield
 
 

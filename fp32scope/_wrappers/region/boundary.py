@@ -45,19 +45,29 @@ def _autocast_state() -> list[int]:
     return out
 
 
-def _call_node(region: Region, autocast: list[int], args: list[Any], kwargs: dict[str, Any]) -> Any:
-    """Call the node, under the caller's autocast as traced, or without it (``autocast=False``)."""
+def _call_node(
+    region: Region,
+    autocast: list[int],
+    args: list[Any],
+    kwargs: dict[str, Any],
+    call: Callable[..., Any] | None = None,
+) -> Any:
+    """Call the node (or ``call``, the node compiled), under the caller's autocast as traced, or without it.
+
+    Without it where the node's policy is ``autocast=False``.
+    """
+    node = region.call if call is None else call
     if not autocast:
-        return region.call(*args, **kwargs)
+        return node(*args, **kwargs)
     devices = tuple(_AUTOCAST_DEVICES[i] for i in autocast[::2])
     with contextlib.ExitStack() as stack:
         if region.policy.mode is False:
             for device in devices:
                 stack.enter_context(torch.autocast(device, enabled=False))
-            return region.call(*cast_to_float32(args, devices), **cast_to_float32(kwargs, devices))
+            return node(*cast_to_float32(args, devices), **cast_to_float32(kwargs, devices))
         for device, dtype in zip(devices, autocast[1::2], strict=True):
             stack.enter_context(torch.autocast(device, dtype=_AUTOCAST_DTYPES[dtype]))
-        return region.call(*args, **kwargs)
+        return node(*args, **kwargs)
 
 
 def _bind(slots: Slots, kind: str, values: list[torch.Tensor]) -> list[Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import types
 import weakref
 from collections.abc import Callable
@@ -35,9 +34,10 @@ _lib = torch.library.Library("fp32scope", "FRAGMENT")  # type: ignore[no-untyped
 
 _UNKNOWN: Final = -1  # "which buffers it updates is not known yet": the fake run finds out
 
-# Kept forward graphs awaiting their backward, by token number.
+# Kept forward graphs awaiting their backward, by token number. No lock: each use is one
+# dict operation (atomic), and a token's finalizer, which pops its entry, may run inside any
+# allocation, also one made while a lock held here would be held (a deadlock).
 _saved: dict[int, _Saved] = {}
-_saved_lock = threading.Lock()
 
 
 class _Saved:
@@ -54,17 +54,29 @@ class _Saved:
 class _Op:
     """One call of a region op.
 
-    ``spec`` is [site, layout, n_tensors, n_params, n_autocast, n_ints, autocast..., ints..., mutated...].
+    ``spec`` is [site, layout, n_tensors, n_params, n_autocast, n_ints, backend, autocast..., ints...,
+    mutated...]; ``backend`` numbers the parent's backend that compiles the node in the op (0: none).
     """
 
-    __slots__ = ("autocast", "buffers", "carried", "ints", "layout", "mutated", "params", "region", "tensors")
+    __slots__ = (
+        "autocast",
+        "backend",
+        "buffers",
+        "carried",
+        "ints",
+        "layout",
+        "mutated",
+        "params",
+        "region",
+        "tensors",
+    )
 
     def __init__(self, key: int, spec: list[int], values: list[torch.Tensor]) -> None:
         self.region = _regions[key]
-        self.layout, n_tensors, n_params, n_autocast, n_ints = spec[1:6]
-        self.autocast = spec[6 : 6 + n_autocast]
-        self.ints = spec[6 + n_autocast : 6 + n_autocast + n_ints]
-        self.mutated = spec[6 + n_autocast + n_ints :]
+        self.layout, n_tensors, n_params, n_autocast, n_ints, self.backend = spec[1:7]
+        self.autocast = spec[7 : 7 + n_autocast]
+        self.ints = spec[7 + n_autocast : 7 + n_autocast + n_ints]
+        self.mutated = spec[7 + n_autocast + n_ints :]
         n_inputs = n_tensors + n_params
         self.tensors = values[:n_tensors]
         self.params = values[n_tensors:n_inputs]
@@ -139,11 +151,13 @@ def _run(op: _Op, *, fake: bool, grad: bool) -> Any:
             saved_b = _bind(b_slots, "_buffers", op.buffers)
         if fake:
             return _run_fake(op, args, kwargs, grad=grad)
+        # The node compiled by its parent's backend (not Inductor's: see inner), in its scope.
+        call = region.compiled_call(op.backend) if op.backend else None
         if grad:
             with _AboveAutograd(), torch.enable_grad(), region.scope:
-                return _call_node(region, op.autocast, args, kwargs)
+                return _call_node(region, op.autocast, args, kwargs, call)
         with region.scope:  # no graph to record: the kernel runs as it was reached
-            return _call_node(region, op.autocast, args, kwargs)
+            return _call_node(region, op.autocast, args, kwargs, call)
     finally:
         if saved_b is not None:
             _unbind(b_slots, "_buffers", saved_b)
@@ -357,16 +371,14 @@ def _region_fake(key: int, spec: list[int], values: list[torch.Tensor]) -> list[
 
 
 def _forget(number: int) -> None:
-    with _saved_lock:
-        _saved.pop(number, None)
+    _saved.pop(number, None)
 
 
 def _region_train_impl(key: int, spec: list[int], grad_mask: int, values: list[torch.Tensor]) -> list[torch.Tensor]:
     outputs, updates, saved = _execute(_Op(key, spec, values), fake=False, grad_mask=grad_mask)
     number = next(_numbers)
     token = torch.full((1,), number, dtype=torch.int64)
-    with _saved_lock:
-        _saved[number] = cast("_Saved", saved)
+    _saved[number] = cast("_Saved", saved)
     weakref.finalize(token, _forget, number)
     return [*outputs, *updates, token]
 
@@ -382,8 +394,7 @@ def _region_backward_impl(
     key: int, token: torch.Tensor, grads: list[torch.Tensor], like: list[torch.Tensor]
 ) -> list[torch.Tensor]:
     region = _regions[key]
-    with _saved_lock:
-        saved = _saved.get(int(token.item()))
+    saved = _saved.get(int(token.item()))
     if saved is None:
         msg = (
             f"Trying to backward through scoped node {region.name!r} (an in-graph region) after its saved graph "

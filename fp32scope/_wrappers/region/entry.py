@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import torch
 
-from fp32scope._compat import dynamo_refusal, is_exporting, tracing_one_graph
+from fp32scope._compat import compiles_in_op, dynamo_refusal, is_exporting, tracing_backend, tracing_one_graph
 from fp32scope._errors import Fp32RegionBreakWarning, Fp32ScopeError, user_stacklevel
 from fp32scope._flags import dynamo_exclude
 from fp32scope._wrappers import carriers, inner
@@ -86,7 +86,19 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
         # is this call's own number: two calls of one region on the same inputs are two ops,
         # which AOTAutograd's common-subexpression pass would otherwise merge into one (one
         # kept graph for two backwards).
-        numbers = [next(_sites), layout, len(tensors), n_params, len(autocast), len(ints), *autocast, *ints, *mutated]
+        backend = _backend(region)
+        numbers = [
+            next(_sites),
+            layout,
+            len(tensors),
+            n_params,
+            len(autocast),
+            len(ints),
+            backend,
+            *autocast,
+            *ints,
+            *mutated,
+        ]
         out = op(key, numbers, [*tensors, *params, *buffers])
         found = region.mutated[region.training_layout()]
         plan = region.carried.get(layout) if layout in region.carried_args else None
@@ -123,6 +135,19 @@ def _break_call(tag: str, /, *args: Any, **kwargs: Any) -> Any:
     region = _regions[int(tag.removeprefix(_TAG))]
     warn_break(region, args, kwargs)
     return region.fallback(*args, **kwargs)
+
+
+def _backend(region: Region) -> int:
+    """The number of the backend that compiles the node in its op (0: the node runs eagerly there)."""
+    if not region.compiled or region.holds_scoped():  # an eager=True node; one holding scoped nodes
+        return 0
+    backend = tracing_backend()
+    if backend is None:
+        # Not traced: a backend that runs the parent's graph as Python (eager, a user's own)
+        # calls this function at every call; the backend is the one it was traced for.
+        return region.traced_backend
+    region.traced_backend = region.backend_number(backend if compiles_in_op(backend) else None)
+    return region.traced_backend
 
 
 def _uncarried(values: list[Any]) -> tuple[tuple[int, str, str], ...]:

@@ -10,6 +10,7 @@ the numbers themselves, the form of an output's recipe (``Recipe``), and the che
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import secrets
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Final, cast
 
 import torch
+import wrapt
 from torch.utils import _pytree
 
 from fp32scope._flags import dynamo_exclude
@@ -26,6 +28,7 @@ from fp32scope._flags.scope import fp32_precision_scope, wrapper_scope
 from fp32scope._wrappers import carriers, inner, layouts
 from fp32scope._wrappers.autocast import AutocastPolicy
 from fp32scope._wrappers.region.refusals import _refuse_argument
+from fp32scope._wrappers.trampoline import new_trampoline
 
 _CONSTANTS: Final = (type(None), bool, int, float, str, torch.dtype, torch.device)
 _TAG: Final = "fp32scope region "
@@ -150,6 +153,15 @@ class _CarriedPlan:
         return self.n_rebound + len(self.inplace)
 
 
+def _holds_proxy(module: torch.nn.Module) -> bool:
+    # Walked by hand: modules() reaches a proxy's wrapped module, never the proxy, whose own
+    # class (not its __class__, the wrapped module's) says it is one.
+    for child in module._modules.values():
+        if child is not None and (issubclass(type(child), wrapt.BaseObjectProxy) or _holds_proxy(child)):
+            return True
+    return False
+
+
 def _forward_of(module: Any) -> Callable[..., Any]:
     def call_forward(*args: Any, **kwargs: Any) -> Any:
         return module.forward(*args, **kwargs)
@@ -208,10 +220,41 @@ class Region:
         # node's), and the compiled graphs per layout, or None where a layout cannot be.
         self.compiled = compiled
         self.inner: dict[tuple[Any, ...], inner.Entry | None] = {}
+        # The backends of the parents that compile the node in its op (not Inductor, which
+        # compiles it inside: see inner), numbered from 1 as a graph holds them, and the node
+        # compiled by each.
+        self.backends: list[Callable[..., Any]] = []
+        self._compiled_calls: dict[int, Callable[..., Any]] = {}
+        self.traced_backend = 0  # the number found when the last graph holding the region was traced
         _regions[self.key] = self
         _allow_in_graph()
 
     # -- trace time ---------------------------------------------------------------------
+
+    def backend_number(self, backend: Callable[..., Any] | None) -> int:
+        """The number a graph holds for the backend compiling the node in its op; 0 for none (eager)."""
+        if backend is None:
+            return 0
+        for number, known in enumerate(self.backends, 1):
+            if known is backend:
+                return number
+        self.backends.append(backend)
+        return len(self.backends)
+
+    def holds_scoped(self) -> bool:
+        """Whether the node holds scoped nodes of its own (wrapper proxies among its submodules)."""
+        return isinstance(self.module, torch.nn.Module) and _holds_proxy(self.module)
+
+    def compiled_call(self, number: int) -> Callable[..., Any]:
+        """The node compiled by backend ``number`` (made on first use): what the op calls instead of the node."""
+        found = self._compiled_calls.get(number)
+        if found is None:
+            # A trampoline of the node's own (a code object per node: Dynamo's limit on
+            # compiled entries is per code object), compiled by the parent's backend.
+            compiled = torch.compile(new_trampoline(self.name), backend=self.backends[number - 1])
+            found = functools.partial(compiled, self.call)
+            self._compiled_calls[number] = found
+        return found
 
     def layout_id(self, n_args: int, kw_names: tuple[str, ...], values: tuple[Any, ...]) -> tuple[int, list[Any]]:
         """The number of the layout of a call's arguments (tensors, and constants by value), and their leaves."""
