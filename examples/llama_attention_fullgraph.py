@@ -7,8 +7,12 @@ region in ``"highest"``. A forward hook on each attention prints the precision i
 (it is also called on fake tensors while the graph is traced, when it says nothing); the
 loss and the gradients are compared with the same scoped model run eagerly.
 
-Called with a KV cache (``generate``), an attention gets an object a region cannot carry:
-that call is a graph break instead, with ``Fp32RegionBreakWarning`` (see the errors page).
+Called with a KV cache (``generate``), an attention gets a Hugging Face ``DynamicCache`` or
+``StaticCache``, which a region carries too: still one graph, no break
+(``tests/compile/test_region_caches.py``). A cache a region cannot carry (a sliding-window
+layer's, an ``EncoderDecoderCache``) makes that call a graph break with
+``Fp32RegionBreakWarning``, or under ``fullgraph=True`` an ``Fp32ScopeError`` saying why (see
+the errors page).
 """
 
 from __future__ import annotations
