@@ -154,10 +154,23 @@ def _uncarried(values: list[Any]) -> tuple[tuple[int, str, str], ...]:
     # The arguments a region cannot carry: (position, type name, why). Dynamo inlines this
     # where it traces a call (its result is constants of the trace).
     return tuple(
-        (i, type(v).__name__, carriers.refusal(v))
+        (i, _type_name(v), carriers.refusal(v))
         for i, v in enumerate(values)
         if not (_carriable(v) or carriers.can_carry(v))
     )
+
+
+_BUILTINS: Final = (list, tuple, dict, set, frozenset, complex, bytes, slice, range)
+
+
+def _type_name(value: object) -> str:
+    # Dynamo inlines this: torch 2.4's cannot read a builtin type's __name__ ("not a constant").
+    for kind, name in zip(
+        _BUILTINS, ("list", "tuple", "dict", "set", "frozenset", "complex", "bytes", "slice", "range"), strict=True
+    ):
+        if isinstance(value, kind):
+            return name
+    return type(value).__name__
 
 
 def warn_break(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -256,6 +269,7 @@ _TRACED: Final = frozenset(
         "traced_region",
         "_carriable",
         "_uncarried",
+        "_type_name",
         "_carried_changes",
         "_out_recipe",
         "_refuse_in_one_graph",
