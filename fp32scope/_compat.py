@@ -205,12 +205,14 @@ def tracing_backend() -> Callable[..., Any] | None:
 def compiles_in_op(backend: Callable[..., Any]) -> bool:
     """Whether a region's op should compile its node with ``backend``, its parent's.
 
-    Not Inductor and cudagraphs (``_NOT_IN_OP``), and not where Dynamo does not take a
-    module's parameters as inputs (``inline_inbuilt_nn_modules`` off, torch 2.4's default):
-    there it guards each by identity, and the op binds new ones at every training call,
-    which would compile the node again at every call.
+    Not Inductor and cudagraphs (``_NOT_IN_OP``); not before torch 2.9, whose Dynamo resets
+    a "medium" precision while it compiles (``DYNAMO_RESETS_MEDIUM``: the node would run at
+    "high"); and not where Dynamo does not take a module's parameters as inputs
+    (``inline_inbuilt_nn_modules`` off, torch 2.4's default): there it guards each by
+    identity, and the op binds new ones at every training call, which would compile the
+    node again at every call.
     """
-    if getattr(backend, "__name__", None) in _NOT_IN_OP:
+    if getattr(backend, "__name__", None) in _NOT_IN_OP or DYNAMO_RESETS_MEDIUM:
         return False
     with warnings.catch_warnings():  # (torch >= 2.13: deprecated, always on)
         warnings.simplefilter("ignore", FutureWarning)

@@ -22,6 +22,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 from torch._functorch._aot_autograd.utils import make_boxed_func
 
+from fp32scope._compat import DYNAMO_RESETS_MEDIUM
 from fp32scope._wrappers import trampoline as _trampoline
 from tests._support.common import DEFAULT
 
@@ -128,11 +129,18 @@ def node_graphs(backend: object) -> int:
     """The Dynamo graphs a region's node adds of its own: 1 where its op compiles it with the parent's backend.
 
     That is every backend but Inductor (which compiles the node inside, no Dynamo graph of its
-    own) and cudagraphs, where Dynamo inlines modules; 0 elsewhere (the node eager in its op).
+    own) and cudagraphs, where :func:`nodes_compile_in_op`; 0 elsewhere (the node eager in its op).
     """
-    if backend in {"inductor", "cudagraphs"} or not dynamo_inlines_modules():
-        return 0
-    return 1
+    return 0 if backend in {"inductor", "cudagraphs"} or not nodes_compile_in_op() else 1
+
+
+def nodes_compile_in_op() -> bool:
+    """Whether a region's op compiles its node with a parent's backend other than Inductor on this torch.
+
+    Not before torch 2.9 (its Dynamo resets "medium" while it compiles), nor where Dynamo
+    guards parameters by identity (:func:`dynamo_inlines_modules`).
+    """
+    return dynamo_inlines_modules() and not DYNAMO_RESETS_MEDIUM
 
 
 def parent_graphs() -> int:
@@ -152,3 +160,15 @@ def parent_graphs() -> int:
             trampoline = cast("Any", cast("functools.partial[Any]", call).func)._torchdynamo_orig_callable
             own += len(_debug_get_cache_entry_list(trampoline.__code__))
     return int(counters["stats"]["unique_graphs"]) - own
+
+
+def step(model: Any, x: torch.Tensor, *, train: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``model(x)``: under ``no_grad``, or a training step (its parameters' gradients, set afresh, come back too)."""
+    if not train:
+        with torch.no_grad():
+            return model(x), []
+    for p in model.parameters():
+        p.grad = None
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]

@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 from fp32scope import Fp32ScopedModule, current_fp32_precision, set_process_default
 from tests._support import probe as _probe
 from tests._support.common import DEFAULT, FULL
-from tests._support.compiled import dynamo_inlines_modules, forbid_recompiles, python_frames
+from tests._support.compiled import forbid_recompiles, nodes_compile_in_op, python_frames, step
 from tests._support.probe import phases, probe
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
@@ -65,17 +65,6 @@ class Counting:
         return gm.forward
 
 
-def _step(model: Any, x: torch.Tensor, *, train: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    if not train:
-        with torch.no_grad():
-            return model(x), []
-    for p in model.parameters():
-        p.grad = None
-    out = model(x)
-    out.square().sum().backward()
-    return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-
 def _twin(model: Parent) -> Parent:
     twin = copy.deepcopy(model)
     twin.node = Fp32ScopedModule(cast("Any", twin.node).__wrapped__, FULL, in_graph=False)
@@ -95,18 +84,18 @@ def test_a_regions_node_is_compiled_by_its_parents_backend_in_its_precision(back
     # Compiles the parent, then the node in its op; the second call may compile the node once
     # more (aot_eager's first run hands it tensors without autograd's dispatch keys).
     for _ in range(2):
-        _step(compiled, x, train=train)
+        step(compiled, x, train=train)
     _probe.SEEN.clear()
     with forbid_recompiles(), python_frames(Node.forward.__code__) as frames:
-        got = _step(compiled, x, train=train)
-    assert frames == ([0] if dynamo_inlines_modules() else [1])  # compiled code, not the node's Python
+        got = step(compiled, x, train=train)
+    assert frames == ([0] if nodes_compile_in_op() else [1])  # compiled code, not the node's Python
     assert phases("fwd") == {"node": [FULL], "after": [DEFAULT]}
     if train:
         assert phases("bwd") == {"after": [DEFAULT], "node": [FULL]}
     assert current_fp32_precision() == DEFAULT
-    if backend == "callable" and dynamo_inlines_modules():
+    if backend == "callable" and nodes_compile_in_op():
         assert user.graphs >= 2  # the parent's graph, and the node's own, compiled in its op
-    want = _step(twin, x, train=train)
+    want = step(twin, x, train=train)
     torch.testing.assert_close(got[0], want[0])
     for grad, expected in zip(got[1], want[1], strict=True):
         torch.testing.assert_close(grad, expected)
@@ -117,8 +106,8 @@ def test_an_eager_node_stays_eager_under_any_backend() -> None:
     model = Parent(eager=True)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x = torch.randn(4, WIDTH)
-    _step(compiled, x, train=True)
+    step(compiled, x, train=True)
     with python_frames(Node.forward.__code__) as frames:
-        _step(compiled, x, train=True)
+        step(compiled, x, train=True)
     assert frames == [1]  # its own eager forward, at every call, in its op
     assert phases("fwd")["node"][-1] == FULL

@@ -21,7 +21,7 @@ import torch
 from fp32scope import Fp32ScopedModule, Fp32ScopeError, current_fp32_precision, set_process_default
 from tests._support import probe as _probe
 from tests._support.common import DEFAULT, FULL
-from tests._support.compiled import python_frames
+from tests._support.compiled import python_frames, step
 from tests._support.probe import phases, probe
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
@@ -83,17 +83,6 @@ def _twins() -> tuple[Parent, Parent]:
     return model, twin
 
 
-def _step(model: Any, x: torch.Tensor, *, train: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    if not train:
-        with torch.no_grad():
-            return model(x), []
-    for p in model.parameters():
-        p.grad = None
-    out = model(x)
-    out.square().sum().backward()
-    return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-
 def _same(got: tuple[torch.Tensor, list[torch.Tensor]], want: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
     assert len(got[1]) == len(want[1])
@@ -122,30 +111,30 @@ def test_an_attribute_changed_after_compiling_gives_the_new_result_as_plain_torc
     model, twin = _twins()
     compiled = torch.compile(model, backend="inductor", fullgraph=True)
     x = torch.randn(4, WIDTH)
-    _same(_step(compiled, x, train=train), _step(twin, x, train=train))
+    _same(step(compiled, x, train=train), step(twin, x, train=train))
     for value in (3.0, 0.5, 3.0):  # new values, then one seen before (its kept graphs)
         _set(model, twin, path, value)
-        _step(compiled, x, train=train)  # (traces the node again for a new value: its Python runs, on fake tensors)
+        step(compiled, x, train=train)  # (traces the node again for a new value: its Python runs, on fake tensors)
         _probe.SEEN.clear()
         with python_frames(Node.forward.__code__) as frames:
-            got = _step(compiled, x, train=train)
+            got = step(compiled, x, train=train)
         assert frames == [0], "the node ran its Python: it should run its compiled graphs for the new value"
         assert phases("fwd")["node"] == [FULL]
         if train:
             assert phases("bwd")["node"] == [FULL]
         assert current_fp32_precision() == DEFAULT
-        _same(got, _step(twin, x, train=train))
+        _same(got, step(twin, x, train=train))
     _set(model, twin, path, 2.0 if path == "scale" else 0.1)  # back to the value compiled first
-    _same(_step(compiled, x, train=train), _step(twin, x, train=train))
+    _same(step(compiled, x, train=train), step(twin, x, train=train))
 
 
 def test_under_aot_eager_a_changed_attribute_gives_the_new_result() -> None:
     model, twin = _twins()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x = torch.randn(4, WIDTH)
-    _step(compiled, x, train=True)
+    step(compiled, x, train=True)
     _set(model, twin, "act.negative_slope", 0.7)
-    _same(_step(compiled, x, train=True), _step(twin, x, train=True))
+    _same(step(compiled, x, train=True), step(twin, x, train=True))
 
 
 def test_past_dynamos_recompile_limit_a_changed_attribute_is_an_error_saying_what_to_do() -> None:
@@ -154,16 +143,16 @@ def test_past_dynamos_recompile_limit_a_changed_attribute_is_an_error_saying_wha
     compiled = torch.compile(model, backend="inductor", fullgraph=True)
     x = torch.randn(4, WIDTH)
     with _recompile_limit(3):
-        _step(compiled, x, train=False)
+        step(compiled, x, train=False)
         for value in (3.0, 4.0):  # the graphs for three values in all: the limit
             _set(model, twin, "scale", value)
-            _same(_step(compiled, x, train=False), _step(twin, x, train=False))
+            _same(step(compiled, x, train=False), step(twin, x, train=False))
         _set(model, twin, "scale", 5.0)
         with pytest.raises(Fp32ScopeError, match=r"'scale' = 2\.0, now 5\.0.*recompile limit \(3"):
-            _step(compiled, x, train=False)
+            step(compiled, x, train=False)
         assert current_fp32_precision() == DEFAULT
         _set(model, twin, "scale", 4.0)  # a value whose graphs are kept still runs
-        _same(_step(compiled, x, train=False), _step(twin, x, train=False))
+        _same(step(compiled, x, train=False), step(twin, x, train=False))
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["training", "no_grad"])
@@ -172,13 +161,13 @@ def test_a_change_that_alters_the_nodes_outputs_is_an_error_saying_to_compile_ag
     model, twin = _twins()
     compiled = torch.compile(model, backend="inductor", fullgraph=True)
     x = torch.randn(4, WIDTH)
-    _step(compiled, x, train=train)
+    step(compiled, x, train=train)
     _set(model, twin, "width", WIDTH // 2)
     with pytest.raises(Fp32ScopeError, match=r"'width' = 8, now 4.*other outputs.*torch\.compiler\.reset"):
-        _step(compiled, x, train=train)
+        step(compiled, x, train=train)
     assert current_fp32_precision() == DEFAULT
     torch.compiler.reset()  # as the message says: compiled again, for the new width
-    _same(_step(compiled, x, train=train), _step(twin, x, train=train))
+    _same(step(compiled, x, train=train), step(twin, x, train=train))
 
 
 def test_an_attribute_changed_between_a_forward_and_its_backward_is_an_error_not_a_wrong_gradient() -> None:
@@ -186,7 +175,7 @@ def test_an_attribute_changed_between_a_forward_and_its_backward_is_an_error_not
     model, _ = _twins()
     compiled = torch.compile(model, backend="inductor", fullgraph=True)
     x = torch.randn(4, WIDTH)
-    _step(compiled, x, train=True)
+    step(compiled, x, train=True)
     out = compiled(x)
     _bare(model).scale = 3.0
     with pytest.raises(Fp32ScopeError, match="between its forward and its backward"):
