@@ -41,6 +41,8 @@ nox.options.sessions = ["tests", "lint", "typecheck", "docs", "examples", "demo"
 #: pytest-xdist workers for the test sessions (the machine's two cores), which steal work from each other
 #: (``--dist worksteal``: a worker that runs out of tests takes some of the other's); ``-- -n 0`` runs serially.
 TEST_WORKERS = os.environ.get("FP32SCOPE_TEST_WORKERS", "2")
+#: Every test session's pytest options: the workers, and the 25 slowest tests' times (where a session's time goes).
+PYTEST_ARGS = ("-n", TEST_WORKERS, "--dist", "worksteal", "--durations=25")
 
 
 def _pip_config() -> dict[str, str]:
@@ -112,7 +114,7 @@ def install(session: nox.Session, torch: str, *extras: str) -> None:
 def tests(session: nox.Session, torch: str) -> None:
     """Run the test suite (CPU; the GPU tests skip themselves without CUDA)."""
     install(session, torch, "test")
-    session.run("pytest", "-n", TEST_WORKERS, "--dist", "worksteal", *session.posargs)
+    session.run("pytest", *PYTEST_ARGS, *session.posargs)
 
 
 def _matrix_session(release: str) -> Callable[[nox.Session], None]:
@@ -121,7 +123,7 @@ def _matrix_session(release: str) -> Callable[[nox.Session], None]:
         session.run("python", "-c", "import platform, torch; print(platform.python_version(), torch.__version__)")
         # pytest's -ra (pyproject.toml) lists each skip with its reason: a test that cannot
         # run on a release says why.
-        session.run("pytest", "-n", TEST_WORKERS, "--dist", "worksteal", *session.posargs)
+        session.run("pytest", *PYTEST_ARGS, *session.posargs)
 
     run_tests.__doc__ = f"Run the test suite on torch {release} (part of the torch matrix: nox -t torch-matrix)."
     return run_tests
@@ -153,7 +155,7 @@ def _python_session(python: str) -> Callable[[nox.Session], None]:
     def run_tests(session: nox.Session) -> None:
         install(session, DEFAULT_TORCH, "test")
         session.run("python", "-c", "import platform, torch; print(platform.python_version(), torch.__version__)")
-        session.run("pytest", "-n", TEST_WORKERS, "--dist", "worksteal", *session.posargs)
+        session.run("pytest", *PYTEST_ARGS, *session.posargs)
 
     run_tests.__doc__ = f"Run the test suite on Python {python}, torch {DEFAULT_TORCH} (part of nox -t python-matrix)."
     return run_tests
@@ -237,9 +239,7 @@ def examples(session: nox.Session, torch: str) -> None:
 def zoo(session: nox.Session, torch: str) -> None:
     """Run the whole model zoo (tests/zoo): every architecture and check; CI's default run checks a few."""
     install(session, torch, "test")
-    session.run(
-        "pytest", "-n", TEST_WORKERS, "--dist", "worksteal", "tests/zoo", *session.posargs, env={"FP32SCOPE_ZOO": "1"}
-    )
+    session.run("pytest", *PYTEST_ARGS, "tests/zoo", *session.posargs, env={"FP32SCOPE_ZOO": "1"})
 
 
 @nox.session(tags=["mutation"])
@@ -269,11 +269,13 @@ def mutation_regions(session: nox.Session) -> None:
     """Hand-made mutants of the in-graph region code, which mutmut cannot run (its tests compile).
 
     ``tests/_support/region_mutants.py`` applies each mutant to a copy of the repository,
-    runs the region tests against it and prints each one's fate and the score; it fails
-    under 90%, or when a mutant's text is no longer in its file. Slow: the region tests
-    take 8 to 11 minutes unmutated on two cores, and each surviving mutant as long, so a
-    whole run of the 55 takes two to three hours. Arguments after ``--`` go to the script
-    (``--only WORD``, repeatable, runs the mutants whose name holds it).
+    runs the region tests against it (the test that killed it last time first, as
+    ``tests/_support/region_mutants.json`` records), and prints each one's fate and the
+    score; it fails under 90%, or when a mutant's text is no longer in its file. Two
+    mutants run side by side: a whole run takes about half an hour on two cores (a
+    surviving mutant costs the whole region suite, 15 to 20 minutes on one core).
+    Arguments after ``--`` go to the script (``--only WORD``, repeatable, runs the mutants
+    whose name holds it; ``--equivalents`` runs the equivalent ones too).
     """
     install(session, DEFAULT_TORCH, "test")
     session.run("python", "tests/_support/region_mutants.py", *session.posargs)

@@ -71,7 +71,7 @@ from torch._dynamo.utils import counters
 
 import fp32scope
 from fp32scope import Fp32Precision, Fp32ScopedModule
-from fp32scope._wrappers.inner import _entries
+from fp32scope._wrappers.inner.entries import _entry
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
@@ -332,12 +332,14 @@ def op_overheads(model: torch.nn.Module, x: torch.Tensor, repeats: int) -> dict[
     return {name: (statistics.median(code), statistics.median(op)) for name, (code, op) in times.items()}
 
 
+# These two run as the op kernels' code, with the globals of the module defining the
+# kernels (fp32scope._wrappers.inner.ops): they may name only what that module holds.
 def _bare_forward(_site: int, number: int, values: list[torch.Tensor]) -> Any:
-    return _entries[number]().forward.fast(list(values))  # type: ignore[union-attr, misc]
+    return _entry(number).forward.fast(list(values))  # type: ignore[misc]
 
 
 def _bare_backward(_site: int, number: int, values: list[torch.Tensor]) -> Any:
-    return [g for g in _entries[number]().backward.fast(list(values)) if g is not None]  # type: ignore[union-attr, misc]
+    return [g for g in _entry(number).backward.fast(list(values)) if g is not None]  # type: ignore[union-attr, misc]
 
 
 def floor_rounds(cases: dict[str, Callable[[], None]], repeats: int, number: int) -> dict[str, tuple[float, float]]:

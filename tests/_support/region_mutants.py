@@ -1,34 +1,54 @@
 """Hand-made mutants of the in-graph region code, and whether the region tests kill each.
 
 mutmut cannot mutate ``_wrappers/region/``, ``_wrappers/carriers.py``,
-``_wrappers/layouts.py`` and ``_wrappers/inner.py`` usefully: their tests compile, and
+``_wrappers/layouts.py`` and ``_wrappers/inner/`` usefully: their tests compile, and
 Dynamo cannot trace mutmut's trampolines. So each mutant here is one edit a plausible wrong implementation would make (a
 copy left out, a scope not entered, a write-back skipped), named with what it breaks.
 ``nox -s mutation-regions`` (or ``python tests/_support/region_mutants.py`` from the
-repository root) copies the repository to a
-temporary folder, applies one mutant at a time there, runs ``TESTS`` against it (stopping
-at the first failure), prints each mutant's fate and the score, and exits non-zero when the
-score is under ``TARGET`` or a mutant's text is no longer in its file (the list must follow
-the code). The working tree is never changed.
+repository root) copies the repository to temporary folders, one per mutant run side by
+side (``-n``, two by default), applies one mutant at a time there and runs ``TESTS``
+against it, stopping at the first failure; it prints each mutant's fate, the test that
+killed it and the score, and exits non-zero when the score is under ``TARGET`` or a
+mutant's text is no longer in its file (the list must follow the code). The working tree
+is never changed, but for ``DATA``.
 
-``EQUIVALENT`` names mutants that change no behaviour the tests can see, each with why;
-they are run and reported, and left out of the score.
+What makes a whole run fit in half an hour: ``DATA`` (``region_mutants.json``, kept in
+the repository and brought up to date by each run) records the test that killed each
+mutant last time and each test's seconds. A mutant's run takes its own killer first, then
+the other killers, then every other test, quickest first, so that a killed mutant costs
+about one test; a mutant that survives still runs every test. A kill counts only where
+its test passes unmutated: the known killers are run unmutated first, and any new one at
+the end. The verdicts are those of running the whole suite: only the order differs.
+
+``EQUIVALENT`` names mutants that change no behaviour the tests can see, each with why:
+they are left out of the score, and run only with ``--equivalents`` (each costs the whole
+suite).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from queue import Queue
 from typing import NamedTuple
+
+if __package__ in (None, ""):  # run as a script: its folder is on sys.path, the repository root is not
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests._support import mutant_order
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = 0.90
+#: What earlier runs found: the test that killed each mutant, and each test's seconds.
+DATA = ROOT / "tests" / "_support" / "region_mutants.json"
 TESTS = (
     "tests/compile/test_regions.py",
     "tests/compile/test_region_outputs.py",
@@ -48,7 +68,11 @@ EAGER = f"{REGION}/eager.py"
 INSIDE = f"{REGION}/inside.py"
 ENTRY = f"{REGION}/entry.py"
 CARRIERS = "fp32scope/_wrappers/carriers.py"
-INNER = "fp32scope/_wrappers/inner.py"
+INNER = "fp32scope/_wrappers/inner"  # a package too
+INNER_GRAPHS = f"{INNER}/graphs.py"
+INNER_ENTRIES = f"{INNER}/entries.py"
+INNER_TRACING = f"{INNER}/tracing.py"
+INNER_OPS = f"{INNER}/ops.py"
 PROXY = "fp32scope/_wrappers/proxy.py"
 LAYOUTS = "fp32scope/_wrappers/layouts.py"
 
@@ -263,55 +287,55 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "a compiled-inside node's forward runs outside its scope",
-        INNER,
+        INNER_OPS,
         "    with entry.scope:\n        return entry.forward.run(values)",
         "    if entry.scope:\n        return entry.forward.run(values)",
     ),
     Mutant(
         "a compiled-inside node's backward runs outside its scope",
-        INNER,
+        INNER_OPS,
         "    with entry.backward_scope:\n        out = backward.run(values)",
         "    if entry.backward_scope:\n        out = backward.run(values)",
     ),
     Mutant(
         "a compiled-inside node's backward is reported as its forward",
-        INNER,
+        INNER_OPS,
         "    with entry.backward_scope:\n        out = backward.run(values)",
         "    with entry.scope:\n        out = backward.run(values)",
     ),
     Mutant(
         "a changed attribute of a compiled-inside node is ignored",
-        INNER,
+        INNER_ENTRIES,
         "    chosen = entry if state_holds(entry) else variant(entry)\n    entry.last = chosen",
         "    chosen = entry\n    entry.last = chosen",
     ),
     Mutant(
         "a changed attribute of a compiled-inside node's submodule is ignored",
-        INNER,
+        INNER_ENTRIES,
         "        for sub in module.modules()\n",
         "        for sub in (module,)\n",
     ),
     Mutant(
         "graphs traced again for a changed attribute run whatever they return",
-        INNER,
+        INNER_ENTRIES,
         "        if found is None or found.signature() != entry.signature():",
         "        if found is None:",
     ),
     Mutant(
         "graphs are traced again past Dynamo's recompile limit",
-        INNER,
+        INNER_ENTRIES,
         "        if entry.retrace is not None and len(entry.variants) + 1 >= limit:",
         "        if False:",
     ),
     Mutant(
         "graphs traced for a changed attribute are not kept (traced again at every call)",
-        INNER,
+        INNER_ENTRIES,
         "        entry.variants[key] = found\n",
         "        pass\n",
     ),
     Mutant(
         "a backward runs the graphs of attributes changed after its forward",
-        INNER,
+        INNER_ENTRIES,
         "    if chosen is not entry.last:",
         "    if False:",
     ),
@@ -359,37 +383,37 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "compiled graphs get inputs laid out other than they were compiled for",
-        INNER,
+        INNER_GRAPHS,
         "    if layout is None or value.stride() == layout[1]:",
         "    if True:",
     ),
     Mutant(
         "a compiled-inside op's outputs may alias its inputs",
-        INNER,
+        INNER_GRAPHS,
         "        if storage in seen:\n            found.append(i)",
         "        if False:\n            found.append(i)",
     ),
     Mutant(
         "a compiled-inside op's later calls take inputs laid out otherwise as they come",
-        INNER,
+        INNER_GRAPHS,
         "        if [v.stride() for v in values] == self.strides:",
         "        if True:",
     ),
     Mutant(
         "a compiled-inside op's outputs keep the compiled code's layout",
-        INNER,
+        INNER_GRAPHS,
         "            if o is not None and layout is not None and o.stride() != layout[1]",
         "            if False",
     ),
     Mutant(
         "a compiled-inside op's later calls copy no aliasing output",
-        INNER,
+        INNER_GRAPHS,
         "        for i in self.copies:\n            out[i] = _copy(out[i])",
         "        for i in ():\n            out[i] = _copy(out[i])",
     ),
     Mutant(
         "compiled-inside entry numbers alike in every process",
-        INNER,
+        INNER_ENTRIES,
         "self.number = _PROCESS | next(_numbers)",
         "self.number = next(_numbers)",
     ),
@@ -431,13 +455,13 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "a compiled-inside graph does not write the inputs it updates in place",
-        INNER,
+        INNER_TRACING,
         "                graph.graph.call_function(torch.ops.aten.copy_.default, (placeholders[i], new))",
         "                pass",
     ),
     Mutant(
         "an input updated in place but laid out otherwise is not written back",
-        INNER,
+        INNER_OPS,
         "        tensor.copy_(laid)",
         "        pass",
     ),
@@ -479,31 +503,126 @@ def _copy_tree(target: Path) -> None:
     shutil.copytree(ROOT, target, ignore=ignore, dirs_exist_ok=True)
 
 
-def _run_tests(where: Path, workers: str, limit: float | None = None) -> tuple[bool, float]:
-    """Whether the tests pass in ``where``, and in how many seconds (past ``limit``: they fail, as mutmut counts)."""
-    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
-    started = time.perf_counter()
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:logging"]
-    try:
-        done = subprocess.run(  # noqa: S603  # this interpreter, fixed arguments
-            [*command, "-n", workers, *TESTS],
-            cwd=where,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=limit,
+class Known(NamedTuple):
+    """What earlier runs found (``DATA``): each killed mutant's killing test, and each test's seconds."""
+
+    killers: dict[str, str]
+    seconds: dict[str, float]
+
+    @classmethod
+    def load(cls) -> Known:
+        """The file's contents, or nothing known where there is no file."""
+        if not DATA.exists():
+            return cls({}, {})
+        raw = json.loads(DATA.read_text())
+        return cls(dict(raw["killers"]), {k: float(v) for k, v in raw["seconds"].items()})
+
+    def save(self) -> None:
+        """Write the file (sorted, so that a run that learnt nothing new leaves it as it was)."""
+        seconds = {k: round(v, 2) for k, v in sorted(self.seconds.items())}
+        DATA.write_text(
+            json.dumps({"killers": dict(sorted(self.killers.items())), "seconds": seconds}, indent=1) + "\n"
         )
-    except subprocess.TimeoutExpired:
-        return False, time.perf_counter() - started
-    return done.returncode == 0, time.perf_counter() - started
+
+    def order(self, first: str | None) -> list[str]:
+        """Tests to run for a mutant: its own killer, the other killers, then the rest; quickest first."""
+        killers = sorted(set(self.killers.values()) - {first}, key=lambda t: self.seconds.get(t, 0.0))
+        rest = sorted(set(self.seconds) - set(killers) - {first}, key=lambda t: self.seconds[t])
+        return [*([first] if first else []), *killers, *rest]
+
+
+class Outcome(NamedTuple):
+    """One pytest run: whether it passed, its seconds, the first test that failed, each test's seconds."""
+
+    passed: bool
+    seconds: float
+    failed: str | None
+    times: dict[str, float]
+
+
+def _run_tests(where: Path, order: list[str], tests: list[str], limit: float | None) -> Outcome:
+    """Run ``tests`` in ``where``, ``order``'s tests first, stopping at the first failure (past ``limit``: failed)."""
+    with tempfile.TemporaryDirectory(prefix="fp32scope-mutant-run-") as scratch:
+        order_file, record_file = Path(scratch) / "order.json", Path(scratch) / "record.json"
+        order_file.write_text(json.dumps(order))
+        env = dict(
+            os.environ,
+            PYTHONDONTWRITEBYTECODE="1",
+            OMP_NUM_THREADS="1",  # one core per run: the runs share the machine's cores
+            **{mutant_order.ORDER: str(order_file), mutant_order.RECORD: str(record_file)},
+        )
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:logging"]
+        command += ["-p", "no:xdist", "-p", "tests._support.mutant_order", *tests]
+        started = time.perf_counter()
+        try:
+            done = subprocess.run(  # noqa: S603  # this interpreter, fixed arguments
+                command, cwd=where, env=env, capture_output=True, text=True, check=False, timeout=limit
+            )
+        except subprocess.TimeoutExpired:
+            return Outcome(False, time.perf_counter() - started, "(past the time limit)", {})
+        seconds = time.perf_counter() - started
+        if not record_file.exists():  # pytest stopped before its session ended (an import error in conftest)
+            return Outcome(False, seconds, "(pytest did not finish: " + done.stdout[-300:] + ")", {})
+        record = json.loads(record_file.read_text())
+        failed = record["failed"] or (None if done.returncode == 0 else f"(pytest exit code {done.returncode})")
+        return Outcome(done.returncode == 0, seconds, failed, record["seconds"])
+
+
+def _verify_unmutated(trees: list[Path], tests: list[str]) -> list[str]:
+    """The given tests that fail on the unmutated code (split among the trees, run side by side)."""
+    if not tests:
+        return []
+    chunks = [tests[i :: len(trees)] for i in range(len(trees))]
+    with ThreadPoolExecutor(len(trees)) as pool:
+        outcomes = list(pool.map(lambda tree, chunk: _run_tests(tree, chunk, chunk, None), trees, chunks))
+    return [outcome.failed or chunk[0] for chunk, outcome in zip(chunks, outcomes, strict=True) if not outcome.passed]
+
+
+def _run_mutants(trees: list[Path], chosen: list[Mutant], known: Known) -> dict[str, Outcome]:
+    """Each mutant's run, side by side, one per tree; each fate printed as it comes."""
+    # A mutant that hangs a test is caught by a limit well past the whole suite's time.
+    limit = max(1800.0, 3 * sum(known.seconds.values()))
+    free: Queue[Path] = Queue()
+    for tree in trees:
+        free.put(tree)
+    lock = threading.Lock()
+    fates: dict[str, Outcome] = {}
+
+    def run(mutant: Mutant) -> None:
+        where = free.get()
+        try:
+            path = where / mutant.path
+            original = path.read_text()
+            path.write_text(original.replace(mutant.old, mutant.new))
+            try:
+                outcome = _run_tests(where, known.order(known.killers.get(mutant.name)), list(TESTS), limit)
+            finally:
+                path.write_text(original)
+        finally:
+            free.put(where)
+        with lock:
+            fates[mutant.name] = outcome
+            fate = "SURVIVED" if outcome.passed else "killed"
+            note = f"  (equivalent: {EQUIVALENT[mutant.name]})" if mutant.name in EQUIVALENT else ""
+            by = f"  by {outcome.failed}" if outcome.failed else ""
+            print(f"{fate:8}  {outcome.seconds:5.0f} s  {mutant.name}{by}{note}", flush=True)
+
+    with ThreadPoolExecutor(len(trees)) as pool:
+        list(pool.map(run, chosen))
+    return fates
+
+
+def _killer(outcome: Outcome) -> str | None:
+    """The test that killed the mutant, where a test did (not a time limit or a crash)."""
+    return outcome.failed if outcome.failed and outcome.failed.startswith("tests/") else None
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run every mutant (or those named with ``--only``); print fates and the score."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", default=[], help="run the mutants whose name contains this")
-    parser.add_argument("-n", "--workers", default="2", help="pytest-xdist workers (default 2)")
+    parser.add_argument("-n", "--workers", type=int, default=2, help="mutants run side by side (default 2)")
+    parser.add_argument("--equivalents", action="store_true", help="also run the mutants listed as equivalent")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTANTS if not args.only or any(word in m.name for word in args.only)]
     stale = [m for m in chosen if (ROOT / m.path).read_text().count(m.old) != 1]
@@ -511,32 +630,45 @@ def main(argv: list[str] | None = None) -> int:
         print(f"STALE: {mutant.name!r}: its text is not exactly once in {mutant.path}")
     if stale:
         return 2
+    skipped = [m for m in chosen if m.name in EQUIVALENT and not args.equivalents]
+    chosen = [m for m in chosen if m not in skipped]
+    known = Known.load()
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fp32scope-mutants-") as folder:
-        where = Path(folder)
-        _copy_tree(where)
-        passed, seconds = _run_tests(where, args.workers)
-        if not passed:
-            print(f"the tests fail unmutated ({seconds:.0f} s): fix them first")
+        trees = [Path(folder) / str(i) for i in range(max(1, args.workers))]
+        for tree in trees:
+            _copy_tree(tree)
+        # A kill counts only where its test passes unmutated: the known killers first
+        # (minutes), the ones this run finds at its end.
+        used = sorted({known.killers[m.name] for m in chosen if m.name in known.killers})
+        failing = _verify_unmutated(trees, used)
+        if failing:
+            print(f"the tests fail unmutated: {', '.join(failing)}: fix them first")
             return 2
-        print(f"unmutated: pass ({seconds:.0f} s)")
-        limit = 10 * seconds  # a mutant that makes a test hang is caught by this
-        killed: list[str] = []
-        survived: list[str] = []
-        for mutant in chosen:
-            path = where / mutant.path
-            original = path.read_text()
-            path.write_text(original.replace(mutant.old, mutant.new))
-            try:
-                passed, seconds = _run_tests(where, args.workers, limit)
-            finally:
-                path.write_text(original)
-            (survived if passed else killed).append(mutant.name)
-            fate = "SURVIVED" if passed else "killed"
-            note = f"  (equivalent: {EQUIVALENT[mutant.name]})" if mutant.name in EQUIVALENT else ""
-            print(f"{fate:8}  {seconds:5.0f} s  {mutant.name}{note}", flush=True)
-    counted = [n for n in killed + survived if n not in EQUIVALENT]
-    score = sum(n in killed for n in counted) / len(counted) if counted else 1.0
-    print(f"score: {sum(n in killed for n in counted)} of {len(counted)} killed ({score:.0%}), target {TARGET:.0%}")
+        print(f"unmutated: the {len(used)} known killers pass ({time.perf_counter() - started:.0f} s)", flush=True)
+        fates = _run_mutants(trees, chosen, known)
+        failing = _verify_unmutated(trees, sorted({_killer(o) or "" for o in fates.values()} - {"", *used}))
+    for name, outcome in fates.items():
+        known.seconds.update(outcome.times)
+        killer = _killer(outcome)
+        if killer and killer not in failing:
+            known.killers[name] = killer
+        else:
+            known.killers.pop(name, None)
+    known.save()
+    for mutant in skipped:
+        print(f"{'not run':8}         {mutant.name}  (equivalent: {EQUIVALENT[mutant.name]}; --equivalents runs it)")
+    if failing:
+        print(f"the tests fail unmutated: {', '.join(failing)}: fix them first")
+        return 2
+    counted = [n for n in fates if n not in EQUIVALENT]
+    killed = sum(not fates[n].passed for n in counted)
+    score = killed / len(counted) if counted else 1.0
+    minutes = (time.perf_counter() - started) / 60
+    print(
+        f"score: {killed} of {len(counted)} killed ({score:.0%}), target {TARGET:.0%}; "
+        f"{minutes:.0f} min, {len(trees)} side by side"
+    )
     return 0 if score >= TARGET else 1
 
 

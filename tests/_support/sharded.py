@@ -123,7 +123,7 @@ def _scope(module: torch.nn.Module, *, in_graph: bool = False) -> torch.nn.Modul
 def _compiled(model: torch.nn.Module, backend: str = "aot_eager") -> torch.nn.Module:
     # aot_eager: the region's op and the graph around it, with AOTAutograd's backward (the
     # node run eagerly inside its op). Inductor: the node compiled inside its op
-    # (fp32scope/_wrappers/inner.py), the parent's graph split by DDP's optimizer at buckets.
+    # (fp32scope/_wrappers/inner/), the parent's graph split by DDP's optimizer at buckets.
     return cast("torch.nn.Module", torch.compile(model, backend=backend))
 
 
