@@ -1,8 +1,8 @@
 """Objects an in-graph region carries across its op: Hugging Face's key-value caches.
 
 A region's op takes tensors and constants only. A cache argument (transformers >= 5:
-``DynamicCache`` and ``StaticCache`` of ``DynamicLayer`` and ``StaticLayer`` layers, and
-``EncoderDecoderCache`` of two of those) crosses it as a marker tuple describing its state
+``DynamicCache`` and ``StaticCache`` of ``DynamicLayer``, ``DynamicSlidingWindowLayer`` and
+``StaticLayer`` layers, and ``EncoderDecoderCache`` of two of those) crosses it as a marker tuple describing its state
 (:func:`flatten`, traced by Dynamo): each carried object's attributes, listed per class in
 :data:`_STATE`, walked recursively: tensors, constants, lists of carried objects (a cache's
 layers), dicts of constants (an ``EncoderDecoderCache``'s ``is_updated``), nested carried
@@ -12,7 +12,9 @@ around the op's tensors (:func:`rebuild`), runs the node with it, and reports wh
 changed (:func:`changes`), each change by its path from the carried object: attributes
 rebound to new tensors (a dynamic layer's ``torch.cat``, a static layer's first allocation)
 leave the op as outputs, constants (``is_initialized``, ``device``, a static layer's sizes,
-an ``is_updated`` entry) as the layout's constants; :func:`write_back`, traced by Dynamo
+an ``is_updated`` entry) as the layout's constants, and an int the node moved by a fixed
+step (a sliding layer's ``cumulative_length``, every decode step) as that step, added to the
+caller's value (symbolic where Dynamo made it dynamic, so no recompile per step); :func:`write_back`, traced by Dynamo
 after the op, sets them on the caller's object. Tensors the node updates in place (a static
 layer's ``keys``, ``values`` and ``cumulative_length``) are the region's to write back
 (``copy_``), but for the keys and values a compiled-inside graph writes where they are
@@ -20,8 +22,11 @@ layer's ``keys``, ``values`` and ``cumulative_length``) are the region's to writ
 that layer) grows the caller's cache the same way.
 
 Only the classes of :data:`_STATE` are carried, by name; offloaded caches, quantized caches
-and layers, sliding-window layers and any other class are refused (:func:`refusal` says
-why). transformers is never imported here (a cache exists only where it was).
+and layers, static sliding-window layers and any other class are refused (:func:`refusal`
+says why). A ``StaticSlidingWindowLayer``'s update branches on its int length (full or not):
+its region's layout is the same both ways while what the node does to the cache (the plan
+a graph's op reads at run time) is not, so a graph kept for one branch would read the
+other's plan. transformers is never imported here (a cache exists only where it was).
 """
 
 from __future__ import annotations
@@ -57,6 +62,16 @@ _STATE: Final = {
     "StaticCache": _CACHE_STATE,
     "EncoderDecoderCache": ("self_attention_cache", "cross_attention_cache", "is_updated"),
     "DynamicLayer": ("keys", "values", "is_initialized", "device"),
+    "DynamicSlidingWindowLayer": (
+        "keys",
+        "values",
+        "is_initialized",
+        "device",
+        "sliding_window",
+        "cumulative_length",
+        "_sliding_window_tensor",
+        "record_past",
+    ),
     "StaticLayer": (
         "keys",
         "values",
@@ -72,7 +87,8 @@ _STATE: Final = {
 }
 #: What a region carries, as a refusal says it.
 CARRIED: Final = (
-    "a region carries DynamicCache and StaticCache objects of DynamicLayer and StaticLayer layers "
+    "a region carries DynamicCache and StaticCache objects of DynamicLayer, DynamicSlidingWindowLayer and "
+    "StaticLayer layers "
     "(not offloaded, not quantized), and EncoderDecoderCache objects of two of those"
 )
 # A marker's descriptions: a tensor or a constant as itself, anything else a tuple tagged
@@ -262,6 +278,7 @@ Change = tuple[
     tuple[Step, ...], Step, bool, Any
 ]  # (path to the owner, step, is a tensor, the constant or output index)
 _ABSENT: Final = object()
+_DELTA: Final = "delta"  # a changed int written back as the caller's value plus a step: (_DELTA, step)
 
 
 def changes(marker: tuple[Any, ...], obj: Any, first: int) -> tuple[tuple[Change, ...], list[torch.Tensor]]:
@@ -336,9 +353,30 @@ def _diff_constant(old: Any, new: Any, path: tuple[Step, ...], step: Step, found
         msg = f"A scoped node set a Hugging Face cache's {step!r} to a {type(new).__name__} inside a compiled graph."
         raise RuntimeError(msg)
     elif type(new) is not type(old) or new != old:
-        # A size the fake run computed symbolically is still a size of this call's
-        # tensors: specialise it (a guard), as the attribute holds a plain int.
-        found.append((path, step, False, int(new) if isinstance(new, torch.SymInt) else new))
+        delta = _delta(old, new)
+        if delta is not None:
+            # A count the node moved by a fixed step (a sliding layer's cumulative_length):
+            # written back as the caller's value plus the step, which stays symbolic where
+            # Dynamo made the count dynamic (a constant would guard, a recompile per step).
+            found.append((path, step, False, (_DELTA, delta)))
+        else:
+            # A size the fake run computed symbolically is still a size of this call's
+            # tensors: specialise it (a guard), as the attribute holds a plain int.
+            found.append((path, step, False, int(new) if isinstance(new, torch.SymInt) else new))
+
+
+def _delta(old: Any, new: Any) -> int | None:
+    """``new - old`` where both are ints (or symbolic ones) and it is a plain int; else None."""
+    ints = (int, torch.SymInt)
+    if not isinstance(old, ints) or not isinstance(new, ints) or isinstance(old, bool) or isinstance(new, bool):
+        return None
+    step = new - old
+    if isinstance(step, torch.SymInt):
+        expr = step.node.expr
+        if not expr.is_number:  # (it depends on a size of this call: no fixed step)
+            return None
+        return int(expr)
+    return step
 
 
 def _walk(obj: Any, path: tuple[Step, ...], *, grow: bool = False) -> Any:
@@ -368,7 +406,12 @@ def write_back(obj: Any, found: tuple[Change, ...], tensors: list[torch.Tensor])
     """Set what the node changed on the caller's object (traced by Dynamo after the op)."""
     for path, step, is_tensor, value in found:
         owner = _walk(obj, path, grow=True)
-        new = tensors[value] if is_tensor else value
+        if is_tensor:
+            new = tensors[value]
+        elif isinstance(value, tuple):  # (_DELTA, step)
+            new = _get(owner, step) + value[1]
+        else:
+            new = value
         if isinstance(step, str):
             setattr(owner, step, new)
         else:

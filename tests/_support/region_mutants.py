@@ -275,6 +275,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "        owner = obj",
     ),
     Mutant(
+        "a count the node moves (a sliding layer's cumulative_length) comes back as a constant",
+        CARRIERS,
+        "        delta = _delta(old, new)",
+        "        delta = None",
+    ),
+    Mutant(
         "a compiled-inside node's forward runs outside its scope",
         INNER,
         "    with entry.scope:\n        return entry.forward.run(values)",

@@ -9,8 +9,12 @@ anew, a layer grown, an ``is_updated`` entry) is set on the caller's cache after
 Each check compares with the node's eager twin (``in_graph=False``) fed its own cache.
 Before, such a call was a graph break, and ``fullgraph=True`` raised Fp32ScopeError.
 
-What a region still refuses (offloaded caches, quantized and sliding-window layers, also
-inside an ``EncoderDecoderCache``) raises Fp32ScopeError under ``fullgraph=True`` naming the
+A ``DynamicSlidingWindowLayer`` (Mistral's, Gemma's) is carried too: its Python-int
+``cumulative_length`` changes every decode step, and comes back as the node's step added to
+the caller's value, so the parent recompiles no more often than plain ``torch.compile`` of
+the unscoped model (written back as a constant it was a recompile per step, past Dynamo's
+limit). What a region still refuses (offloaded caches, quantized layers, static
+sliding-window layers, also inside an ``EncoderDecoderCache``) raises Fp32ScopeError under ``fullgraph=True`` naming the
 argument and the reason, and never names a carried class as refused.
 """
 
@@ -83,13 +87,17 @@ class Decoder(torch.nn.Module):
         return out
 
 
+def _config(transformers: Any) -> Any:
+    return transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS, num_key_value_heads=HEADS
+    )
+
+
 def _cache(kind: str) -> Any:
     transformers = _transformers()
     if kind == "dynamic":
         return transformers.EncoderDecoderCache(transformers.DynamicCache(), transformers.DynamicCache())
-    config = transformers.LlamaConfig(
-        num_hidden_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS, num_key_value_heads=HEADS
-    )
+    config = _config(transformers)
     return transformers.EncoderDecoderCache(
         transformers.StaticCache(config=config, max_cache_len=8),
         transformers.StaticCache(config=config, max_cache_len=MEMORY),
@@ -185,8 +193,8 @@ def _refused(kind: str) -> Any:
     cache_utils = transformers.cache_utils
     if kind == "offloaded":
         return transformers.DynamicCache(offloading=True)
-    sliding = transformers.DynamicCache()
-    sliding.layers.append(cache_utils.DynamicSlidingWindowLayer(sliding_window=4))
+    sliding = transformers.StaticCache(max_cache_len=8, config=_config(transformers))
+    sliding.layers = [cache_utils.StaticSlidingWindowLayer(max_cache_len=8, sliding_window=4)]
     quantized = transformers.DynamicCache()
     quantized.layers.append(cache_utils.Fp8QuantizedLayer())
     if kind == "sliding inside":
@@ -204,8 +212,8 @@ def _refused(kind: str) -> Any:
         (
             "sliding inside",
             (
-                "this EncoderDecoderCache has a self_attention_cache (DynamicCache) that holds "
-                "DynamicSlidingWindowLayer layers"
+                "this EncoderDecoderCache has a self_attention_cache (StaticCache) that holds "
+                "StaticSlidingWindowLayer layers"
             ),
         ),
         (
@@ -226,3 +234,98 @@ def test_a_cache_a_region_cannot_carry_is_refused_under_fullgraph_naming_the_arg
     assert "not offloaded, not quantized" in message
     assert not re.search(r"EncoderDecoderCache (is|objects are) not carried", message)
     assert "Pass the object's tensors as arguments" in message  # what to do
+
+
+WINDOW = 3
+
+
+class SlidingAttends(torch.nn.Module):
+    """An attention over a sliding-window cache layer (Mistral's, Gemma's), keys and values from ``x``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(DIM, DIM)
+        self.k = torch.nn.Linear(DIM, DIM)
+        self.v = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, cache: Any) -> torch.Tensor:
+        keys, values = cache.update(self.k(x), self.v(x), 0)
+        out: torch.Tensor = torch.softmax(self.q(x) @ keys.transpose(-1, -2), -1) @ values
+        return out
+
+
+class SlidingDecoder(torch.nn.Module):
+    """Reads the cache's length before its attention, as a model's mask does (a count that changes every step)."""
+
+    def __init__(self, attention: torch.nn.Module) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(DIM, DIM)
+        self.node = attention
+
+    def forward(self, x: torch.Tensor, cache: Any) -> torch.Tensor:
+        seen = cache.get_seq_length()
+        offset = torch.arange(x.shape[-2]).unsqueeze(-1) + seen
+        out: torch.Tensor = self.node(self.pre(x) + offset * 0.01, cache)
+        return out
+
+
+def _sliding_cache() -> Any:
+    transformers = _transformers()
+    cache = transformers.DynamicCache()
+    cache.layers.append(transformers.cache_utils.DynamicSlidingWindowLayer(sliding_window=WINDOW))
+    return cache
+
+
+def _decode(model: torch.nn.Module, cache: Any, steps: int) -> list[torch.Tensor]:
+    """A prefill of 4 tokens (more than the window), then ``steps`` one-token steps: each step's output."""
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        return [model(torch.randn(2, HEADS, length, DIM, generator=generator), cache) for length in (4, *(1,) * steps)]
+
+
+def _graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_a_sliding_window_cache_crosses_a_region_recompiling_no_more_than_plain_torch() -> None:
+    # Its cumulative_length, a Python int, changes every step: written back as a constant,
+    # it would be a guard the next step fails (a recompile per token). Written back as the
+    # caller's value plus the node's step, it stays symbolic once Dynamo has made it dynamic.
+    steps = 8
+    torch.manual_seed(0)
+    bare = SlidingDecoder(SlidingAttends())
+    model = copy.deepcopy(bare)
+    model.node = Fp32ScopedModule(model.node, FULL)
+    twin = copy.deepcopy(bare)
+    twin.node = Fp32ScopedModule(twin.node, FULL, in_graph=False)
+    plain_cache = _sliding_cache()
+    plain = _decode(torch.compile(bare, fullgraph=True), plain_cache, steps)
+    plain_graphs = _graphs()
+    torch._dynamo.reset()
+    counters.clear()
+    cache, twin_cache = _sliding_cache(), _sliding_cache()
+    got = _decode(torch.compile(model, fullgraph=True), cache, steps)
+    want = _decode(twin, twin_cache, steps)
+    for step, (mine, theirs, bare_out) in enumerate(zip(got, want, plain, strict=True)):
+        torch.testing.assert_close(mine, theirs, msg=f"output, step {step}")
+        torch.testing.assert_close(mine, bare_out, msg=f"output against plain torch, step {step}")
+    layer, twin_layer = cache.layers[0], twin_cache.layers[0]
+    assert layer.cumulative_length == twin_layer.cumulative_length == 4 + steps
+    assert type(layer.cumulative_length) is int
+    torch.testing.assert_close(layer.keys, twin_layer.keys)
+    torch.testing.assert_close(layer.values, twin_layer.values)
+    assert layer.keys.shape[-2] == WINDOW - 1
+    assert sum(counters["graph_break"].values()) == 0
+    assert 0 < _graphs() <= plain_graphs, f"scoped: {_graphs()} graphs, plain torch: {plain_graphs}"
+
+
+def test_a_count_the_node_moves_comes_back_as_a_step_from_the_callers_value() -> None:
+    cache = _sliding_cache()
+    cache.update(torch.randn(1, HEADS, 5, DIM), torch.randn(1, HEADS, 5, DIM), 0)
+    marker = carriers.flatten(cache)
+    rebuilt = carriers.rebuild(marker)
+    rebuilt.update(torch.randn(1, HEADS, 2, DIM), torch.randn(1, HEADS, 2, DIM), 0)
+    found, tensors = carriers.changes(marker, rebuilt, 0)
+    assert (("layers", ("index", 0)), "cumulative_length", False, ("delta", 2)) in found
+    carriers.write_back(cache, found, tensors)
+    assert cache.layers[0].cumulative_length == 7

@@ -99,8 +99,8 @@ def _refuse_distributed_tensors(name: str, values: tuple[Any, ...]) -> None:
 #: What a region carries, as the refusals say it.
 CARRIED: Final = (
     "tensors, ints and constants (None, bool, int, float, str, torch.dtype, torch.device), also in tuples, "
-    "lists and dicts, and Hugging Face DynamicCache and StaticCache objects of DynamicLayer and StaticLayer "
-    "layers, and EncoderDecoderCache objects of two of those"
+    "lists and dicts, and Hugging Face DynamicCache and StaticCache objects of DynamicLayer, "
+    "DynamicSlidingWindowLayer and StaticLayer layers, and EncoderDecoderCache objects of two of those"
 )
 
 
