@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -276,7 +277,7 @@ def _sliding_cache() -> Any:
     return cache
 
 
-def _decode(model: torch.nn.Module, cache: Any, steps: int) -> list[torch.Tensor]:
+def _decode(model: Callable[..., torch.Tensor], cache: Any, steps: int) -> list[torch.Tensor]:
     """A prefill of 4 tokens (more than the window), then ``steps`` one-token steps: each step's output."""
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -294,9 +295,9 @@ def test_a_sliding_window_cache_crosses_a_region_recompiling_no_more_than_plain_
     steps = 8
     torch.manual_seed(0)
     bare = SlidingDecoder(SlidingAttends())
-    model = copy.deepcopy(bare)
+    model: Any = copy.deepcopy(bare)
     model.node = Fp32ScopedModule(model.node, FULL)
-    twin = copy.deepcopy(bare)
+    twin: Any = copy.deepcopy(bare)
     twin.node = Fp32ScopedModule(twin.node, FULL, in_graph=False)
     plain_cache = _sliding_cache()
     plain = _decode(torch.compile(bare, fullgraph=True), plain_cache, steps)

@@ -135,7 +135,8 @@ def uncarried_message(
 _BREAK_REASON: Final = (
     "fp32scope: an in-graph region (in_graph=True, or an eager=True node) was called with an argument it cannot "
     "carry (a region takes tensors, ints and constants, also in tuples, lists and dicts, and Hugging Face "
-    "DynamicCache, StaticCache and EncoderDecoderCache objects of plain layers). That call is a graph break "
+    "DynamicCache, StaticCache and EncoderDecoderCache objects of DynamicLayer, DynamicSlidingWindowLayer and "
+    "StaticLayer layers). That call is a graph break "
     "instead, the node run in its scope. Pass the object's tensors as arguments, or scope a module inside the node "
     "that takes only tensors"
 )
