@@ -70,7 +70,7 @@ _CARRIED = (
 )
 # A static sliding layer's update branches on its Python-int length (full or not): one
 # layout of the region, two plans of what the node does to the cache, which a graph kept for
-# one branch would read for the other (see tests/compile/test_region_carried.py).
+# one branch would read for the other (see fp32scope/_wrappers/carriers.py).
 _STATIC_SLIDING = (
     "the attentions get a StaticCache of StaticSlidingWindowLayer layers (a sliding window shorter than the "
     f"sequence), which a region does not carry ({_CARRIED}): Fp32ScopeError under fullgraph=True"
