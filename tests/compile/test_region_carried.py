@@ -1,0 +1,332 @@
+"""Objects a region carries by walking their state: an ``EncoderDecoderCache``, and what it refuses.
+
+An ``EncoderDecoderCache`` (T5's, Whisper's, BART's) holds a self-attention cache, a
+cross-attention cache (each a ``DynamicCache`` or a ``StaticCache``) and ``is_updated``, a
+dict of per-layer bools that the attention reads and sets. A node given one inside a graph
+compiled with ``fullgraph=True`` is one op: the cache crosses it as its state (tensors,
+constants, the dict, the nested caches), and what the node changed on it (tensors bound
+anew, a layer grown, an ``is_updated`` entry) is set on the caller's cache after the op.
+Each check compares with the node's eager twin (``in_graph=False``) fed its own cache.
+Before, such a call was a graph break, and ``fullgraph=True`` raised Fp32ScopeError.
+
+A ``DynamicSlidingWindowLayer`` (Mistral's, Gemma's) is carried too: its Python-int
+``cumulative_length`` changes every decode step, and comes back as the node's step added to
+the caller's value, so the parent recompiles no more often than plain ``torch.compile`` of
+the unscoped model (written back as a constant it was a recompile per step, past Dynamo's
+limit). What a region still refuses (offloaded caches, quantized layers, static
+sliding-window layers, also inside an ``EncoderDecoderCache``) raises Fp32ScopeError under ``fullgraph=True`` naming the
+argument and the reason, and never names a carried class as refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from fp32scope import Fp32ScopedModule, Fp32ScopeError
+from fp32scope._wrappers import carriers
+from tests._support.common import FULL
+from tests._support.hf import gpt2_unavailable
+
+pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
+
+HEADS, DIM = 2, 8
+MEMORY = 5  # the encoder's tokens: the cross-attention cache's length
+
+
+def _transformers() -> Any:
+    reason = gpt2_unavailable()  # transformers' caches and models run on this torch
+    if reason is not None:
+        pytest.skip(reason.replace("GPT-2", "EncoderDecoderCache"))
+    import transformers
+
+    return transformers
+
+
+class CrossAttends(torch.nn.Module):
+    """A decoder layer's two attentions in one node, as T5's attention uses an EncoderDecoderCache.
+
+    It reads ``is_updated`` for its layer: where set, the cross-attention reuses the keys and
+    values cached; else it computes them from ``memory``, caches them and sets the flag.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(DIM, DIM)
+        self.k = torch.nn.Linear(DIM, DIM)
+        self.v = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, cache: Any) -> torch.Tensor:
+        keys, values = cache.self_attention_cache.update(self.k(x), self.v(x), 0)
+        if cache.is_updated.get(0):
+            cross_keys = cache.cross_attention_cache.layers[0].keys
+            cross_values = cache.cross_attention_cache.layers[0].values
+        else:
+            cross_keys, cross_values = cache.cross_attention_cache.update(self.k(memory), self.v(memory) * 2.0, 0)
+            cache.is_updated[0] = True
+        query = self.q(x)
+        mine = torch.softmax(query @ keys.transpose(-1, -2), -1) @ values
+        theirs = torch.softmax(query @ cross_keys.transpose(-1, -2), -1) @ cross_values
+        out: torch.Tensor = mine + theirs
+        return out
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(DIM, DIM)
+        self.node = Fp32ScopedModule(CrossAttends(), FULL)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, cache: Any) -> torch.Tensor:
+        out: torch.Tensor = self.node(self.pre(x), memory, cache)
+        return out
+
+
+def _config(transformers: Any) -> Any:
+    return transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS, num_key_value_heads=HEADS
+    )
+
+
+def _cache(kind: str) -> Any:
+    transformers = _transformers()
+    if kind == "dynamic":
+        return transformers.EncoderDecoderCache(transformers.DynamicCache(), transformers.DynamicCache())
+    config = _config(transformers)
+    return transformers.EncoderDecoderCache(
+        transformers.StaticCache(config=config, max_cache_len=8),
+        transformers.StaticCache(config=config, max_cache_len=MEMORY),
+    )
+
+
+def _assert_caches_equal(got: Any, want: Any, step: int) -> None:
+    assert got.is_updated == want.is_updated, f"is_updated, step {step}"
+    for which in ("self_attention_cache", "cross_attention_cache"):
+        mine, theirs = getattr(got, which), getattr(want, which)
+        assert [type(layer) for layer in mine.layers] == [type(layer) for layer in theirs.layers], which
+        for i, (layer, twin_layer) in enumerate(zip(mine.layers, theirs.layers, strict=True)):
+            assert layer.is_initialized == twin_layer.is_initialized
+            for field in ("keys", "values", "cumulative_length"):
+                if hasattr(twin_layer, field):
+                    torch.testing.assert_close(
+                        getattr(layer, field), getattr(twin_layer, field), msg=f"{which} {field}[{i}], step {step}"
+                    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "backend"), [("dynamic", "aot_eager"), ("dynamic", "inductor"), ("static", "inductor")]
+)
+def test_an_encoder_decoder_cache_crosses_a_region_and_comes_back_as_the_node_left_it(kind: str, backend: str) -> None:
+    torch.manual_seed(0)
+    model = Decoder()
+    twin: Any = copy.deepcopy(model)
+    twin.node = Fp32ScopedModule(twin.node.__wrapped__, FULL, in_graph=False)
+    cache, twin_cache = _cache(kind), _cache(kind)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    generator = torch.Generator().manual_seed(2)
+    memory = torch.randn(2, HEADS, MEMORY, DIM, generator=generator)
+    with torch.no_grad():
+        for step, length in enumerate((3, 1, 1)):  # a prefill (the cross-attention cached), two decode steps
+            x = torch.randn(2, HEADS, length, DIM, generator=generator)
+            got = compiled(x, memory, cache)
+            torch.testing.assert_close(got, twin(x, memory, twin_cache), msg=f"output, step {step}")
+            _assert_caches_equal(cache, twin_cache, step)
+            assert cache.is_updated == {0: True}
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def test_a_rebuilt_encoder_decoder_cache_holds_the_callers_classes_flags_and_unset_attributes() -> None:
+    cache = _cache("static")
+    cache.is_updated[3] = False
+    rebuilt = carriers.rebuild(carriers.flatten(cache))
+    assert type(rebuilt) is type(cache)
+    assert rebuilt.is_updated == cache.is_updated == {0: False, 3: False}
+    assert rebuilt.is_updated is not cache.is_updated  # the node's writes reach the caller only by write_back
+    for which in ("self_attention_cache", "cross_attention_cache"):
+        mine, theirs = getattr(rebuilt, which), getattr(cache, which)
+        assert type(mine) is type(theirs)
+        assert [type(layer) for layer in mine.layers] == [type(layer) for layer in theirs.layers]
+        for layer, twin_layer in zip(mine.layers, theirs.layers, strict=True):
+            assert sorted(vars(layer)) == sorted(vars(twin_layer))  # not initialized: no keys' sizes yet
+
+
+def test_what_a_node_changes_on_an_encoder_decoder_cache_is_found_by_its_path_and_written_back() -> None:
+    cache = _cache("dynamic")
+    marker = carriers.flatten(cache)
+    rebuilt = carriers.rebuild(marker)
+    keys = torch.randn(1, HEADS, 3, DIM)
+    rebuilt.cross_attention_cache.update(keys, keys + 1.0, 0)
+    rebuilt.is_updated[0] = True
+    found, tensors = carriers.changes(marker, rebuilt, 0)
+    assert ((), "is_updated", False, None) not in found
+    assert (("is_updated",), ("item", 0), False, True) in found
+    assert all(path[0] == "cross_attention_cache" for path, *_ in found if path != ("is_updated",))
+    carriers.write_back(cache, found, tensors)
+    assert cache.is_updated == {0: True}
+    assert len(cache.self_attention_cache.layers) == 0  # the other cache untouched
+    torch.testing.assert_close(cache.cross_attention_cache.layers[0].values, keys + 1.0)
+
+
+class _Doubles(torch.nn.Module):
+    def forward(self, x: torch.Tensor, cache: Any) -> torch.Tensor:
+        del cache
+        return x * 2.0
+
+
+class TakesCache(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.node = Fp32ScopedModule(_Doubles(), FULL)
+
+    def forward(self, x: torch.Tensor, cache: Any) -> torch.Tensor:
+        out: torch.Tensor = self.node(x, cache=cache)
+        return out
+
+
+def _refused(kind: str) -> Any:
+    transformers = _transformers()
+    cache_utils = transformers.cache_utils
+    if kind == "offloaded":
+        return transformers.DynamicCache(offloading=True)
+    sliding = transformers.StaticCache(max_cache_len=8, config=_config(transformers))
+    sliding.layers = [cache_utils.StaticSlidingWindowLayer(max_cache_len=8, sliding_window=4)]
+    quantized = transformers.DynamicCache()
+    quantized.layers.append(cache_utils.Fp8QuantizedLayer())
+    if kind == "sliding inside":
+        return transformers.EncoderDecoderCache(sliding, transformers.DynamicCache())
+    if kind == "quantized inside":
+        return transformers.EncoderDecoderCache(transformers.DynamicCache(), quantized)
+    return quantized
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("offloaded", "this DynamicCache offloads its layers"),
+        ("quantized", "this DynamicCache holds Fp8QuantizedLayer layers"),
+        (
+            "sliding inside",
+            (
+                "this EncoderDecoderCache has a self_attention_cache (StaticCache) that holds "
+                "StaticSlidingWindowLayer layers"
+            ),
+        ),
+        (
+            "quantized inside",
+            "this EncoderDecoderCache has a cross_attention_cache (DynamicCache) that holds Fp8QuantizedLayer layers",
+        ),
+    ],
+)
+def test_a_cache_a_region_cannot_carry_is_refused_under_fullgraph_naming_the_argument_and_why(
+    kind: str, reason: str
+) -> None:
+    cache = _refused(kind)
+    with pytest.raises(Fp32ScopeError) as caught:
+        torch.compile(TakesCache(), backend="eager", fullgraph=True)(torch.ones(2), cache)
+    message = str(caught.value)
+    assert f"keyword argument 'cache' of type {type(cache).__name__}, which a region cannot carry" in message
+    assert f"{reason} (a region carries DynamicCache and StaticCache objects" in message
+    assert "not offloaded, not quantized" in message
+    assert not re.search(r"EncoderDecoderCache (is|objects are) not carried", message)
+    assert "Pass the object's tensors as arguments" in message  # what to do
+
+
+WINDOW = 3
+
+
+class SlidingAttends(torch.nn.Module):
+    """An attention over a sliding-window cache layer (Mistral's, Gemma's), keys and values from ``x``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(DIM, DIM)
+        self.k = torch.nn.Linear(DIM, DIM)
+        self.v = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, cache: Any) -> torch.Tensor:
+        keys, values = cache.update(self.k(x), self.v(x), 0)
+        out: torch.Tensor = torch.softmax(self.q(x) @ keys.transpose(-1, -2), -1) @ values
+        return out
+
+
+class SlidingDecoder(torch.nn.Module):
+    """Reads the cache's length before its attention, as a model's mask does (a count that changes every step)."""
+
+    def __init__(self, attention: torch.nn.Module) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(DIM, DIM)
+        self.node = attention
+
+    def forward(self, x: torch.Tensor, cache: Any) -> torch.Tensor:
+        seen = cache.get_seq_length()
+        offset = torch.arange(x.shape[-2]).unsqueeze(-1) + seen
+        out: torch.Tensor = self.node(self.pre(x) + offset * 0.01, cache)
+        return out
+
+
+def _sliding_cache() -> Any:
+    transformers = _transformers()
+    cache = transformers.DynamicCache()
+    cache.layers.append(transformers.cache_utils.DynamicSlidingWindowLayer(sliding_window=WINDOW))
+    return cache
+
+
+def _decode(model: Callable[..., torch.Tensor], cache: Any, steps: int) -> list[torch.Tensor]:
+    """A prefill of 4 tokens (more than the window), then ``steps`` one-token steps: each step's output."""
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        return [model(torch.randn(2, HEADS, length, DIM, generator=generator), cache) for length in (4, *(1,) * steps)]
+
+
+def _graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_a_sliding_window_cache_crosses_a_region_recompiling_no_more_than_plain_torch() -> None:
+    # Its cumulative_length, a Python int, changes every step: written back as a constant,
+    # it would be a guard the next step fails (a recompile per token). Written back as the
+    # caller's value plus the node's step, it stays symbolic once Dynamo has made it dynamic.
+    steps = 8
+    torch.manual_seed(0)
+    bare = SlidingDecoder(SlidingAttends())
+    model: Any = copy.deepcopy(bare)
+    model.node = Fp32ScopedModule(model.node, FULL)
+    twin: Any = copy.deepcopy(bare)
+    twin.node = Fp32ScopedModule(twin.node, FULL, in_graph=False)
+    plain_cache = _sliding_cache()
+    plain = _decode(torch.compile(bare, fullgraph=True), plain_cache, steps)
+    plain_graphs = _graphs()
+    torch._dynamo.reset()
+    counters.clear()
+    cache, twin_cache = _sliding_cache(), _sliding_cache()
+    got = _decode(torch.compile(model, fullgraph=True), cache, steps)
+    want = _decode(twin, twin_cache, steps)
+    for step, (mine, theirs, bare_out) in enumerate(zip(got, want, plain, strict=True)):
+        torch.testing.assert_close(mine, theirs, msg=f"output, step {step}")
+        torch.testing.assert_close(mine, bare_out, msg=f"output against plain torch, step {step}")
+    layer, twin_layer = cache.layers[0], twin_cache.layers[0]
+    assert layer.cumulative_length == twin_layer.cumulative_length == 4 + steps
+    assert type(layer.cumulative_length) is int
+    torch.testing.assert_close(layer.keys, twin_layer.keys)
+    torch.testing.assert_close(layer.values, twin_layer.values)
+    assert layer.keys.shape[-2] == WINDOW - 1
+    assert sum(counters["graph_break"].values()) == 0
+    assert 0 < _graphs() <= plain_graphs, f"scoped: {_graphs()} graphs, plain torch: {plain_graphs}"
+
+
+def test_a_count_the_node_moves_comes_back_as_a_step_from_the_callers_value() -> None:
+    cache = _sliding_cache()
+    cache.update(torch.randn(1, HEADS, 5, DIM), torch.randn(1, HEADS, 5, DIM), 0)
+    marker = carriers.flatten(cache)
+    rebuilt = carriers.rebuild(marker)
+    rebuilt.update(torch.randn(1, HEADS, 2, DIM), torch.randn(1, HEADS, 2, DIM), 0)
+    found, tensors = carriers.changes(marker, rebuilt, 0)
+    assert (("layers", ("index", 0)), "cumulative_length", False, ("delta", 2)) in found
+    carriers.write_back(cache, found, tensors)
+    assert cache.layers[0].cumulative_length == 7
