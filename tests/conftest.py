@@ -5,6 +5,7 @@ Fixtures live here, never in a test module; helpers that are not fixtures live i
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import hypothesis
@@ -47,6 +48,12 @@ def _restore_process_flags() -> Iterator[None]:
     # A test that fails inside a scope on another thread must not poison the next test.
     _scope._owner.clear()
     _scope._depth = 0
+    # Nor a probe armed to fail, whichever module the next test is in (xdist's worksteal and
+    # the region mutants' runner interleave modules); not imported here where no test did.
+    probe = sys.modules.get("tests._support.probe")
+    if probe is not None:
+        probe.FAIL_IN_BACKWARD.clear()
+        probe.SEEN.clear()
 
 
 @pytest.fixture

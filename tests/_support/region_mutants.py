@@ -591,9 +591,10 @@ def _verify_unmutated(trees: list[Path], tests: list[str]) -> list[str]:
     """The given tests that fail on the unmutated code (split among the trees, run side by side)."""
     if not tests:
         return []
-    chunks = [tests[i :: len(trees)] for i in range(len(trees))]
+    chunks = [chunk for i in range(len(trees)) if (chunk := tests[i :: len(trees)])]  # none empty: that runs all
     with ThreadPoolExecutor(len(trees)) as pool:
-        outcomes = list(pool.map(lambda tree, chunk: _run_tests(tree, chunk, chunk, None), trees, chunks))
+        runs = pool.map(lambda tree, chunk: _run_tests(tree, chunk, chunk, None), trees[: len(chunks)], chunks)
+        outcomes = list(runs)
     return [outcome.failed or chunk[0] for chunk, outcome in zip(chunks, outcomes, strict=True) if not outcome.passed]
 
 
