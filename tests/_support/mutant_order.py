@@ -1,11 +1,12 @@
 """A pytest plugin for the region mutants' runner: tests in a chosen order, and what each run found.
 
 ``python -m pytest -p tests._support.mutant_order ...`` with ``FP32SCOPE_MUTANT_ORDER``
-naming a JSON list of test ids runs those tests first, in that order (the rest after them,
-as collected); with ``FP32SCOPE_MUTANT_RECORD`` naming a file, it writes there, as JSON, the
-first test that failed (``null`` if none) and each test's seconds. Without the variables it
-changes nothing. ``tests/_support/region_mutants.py`` puts the test that killed a mutant
-last time first, so that with ``-x`` a mutant costs one test rather than the suite.
+naming a JSON list of test ids runs those tests first, in that order (a file's name in
+the list stands for its tests not named; the rest run after them, as collected). With
+``FP32SCOPE_MUTANT_RECORD`` naming a file, it writes there, as JSON, the first test that
+failed (``null`` if none) and each test's seconds. Without the variables it changes
+nothing. ``tests/_support/region_mutants.py`` puts the test that killed a mutant last time
+first, so that with ``-x`` a mutant costs one test rather than the suite.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return
     wanted: list[str] = json.loads(Path(path).read_text())
     rank = {node: index for index, node in enumerate(wanted)}
-    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))
+    # A test not named ranks where its file is named (a test added since the times were taken).
+    items.sort(key=lambda item: rank.get(item.nodeid, rank.get(item.nodeid.split("::")[0], len(rank))))
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:

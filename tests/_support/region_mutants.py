@@ -76,6 +76,22 @@ INNER_TRACING = f"{INNER}/tracing.py"
 INNER_OPS = f"{INNER}/ops.py"
 PROXY = "fp32scope/_wrappers/proxy.py"
 LAYOUTS = "fp32scope/_wrappers/layouts.py"
+_C = "tests/compile/"
+#: Per mutated module, the test files whose subject it is: tried first where no killer is known yet.
+SUBJECTS: dict[str, tuple[str, ...]] = {
+    REGIONS: (f"{_C}test_regions.py", f"{_C}test_region_backends.py"),
+    BOUNDARY: (f"{_C}test_region_outputs.py",),
+    EAGER: (f"{_C}test_regions.py", f"{_C}test_region_outputs.py", f"{_C}test_region_faults.py"),
+    INSIDE: (f"{_C}test_inner.py", f"{_C}test_region_state.py"),
+    ENTRY: (f"{_C}test_regions.py", f"{_C}test_region_faults.py"),
+    CARRIERS: (f"{_C}test_region_carried.py", f"{_C}test_region_caches.py"),
+    INNER_GRAPHS: (f"{_C}test_inner.py",),
+    INNER_ENTRIES: (f"{_C}test_inner.py", f"{_C}test_region_state.py"),
+    INNER_TRACING: (f"{_C}test_inner.py",),
+    INNER_OPS: (f"{_C}test_inner.py",),
+    PROXY: (f"{_C}test_regions.py",),
+    LAYOUTS: ("tests/wrappers/test_layouts.py", f"{_C}test_region_outputs.py"),
+}
 
 
 class Mutant(NamedTuple):
@@ -543,11 +559,19 @@ class Known(NamedTuple):
             json.dumps({"killers": dict(sorted(self.killers.items())), "seconds": seconds}, indent=1) + "\n"
         )
 
-    def order(self, first: str | None) -> list[str]:
-        """Tests to run for a mutant: its own killer, the other killers, then the rest; quickest first."""
-        killers = sorted(set(self.killers.values()) - {first}, key=lambda t: self.seconds.get(t, 0.0))
-        rest = sorted(set(self.seconds) - set(killers) - {first}, key=lambda t: self.seconds[t])
-        return [*([first] if first else []), *killers, *rest]
+    def order(self, first: str | None, subjects: tuple[str, ...] = ()) -> list[str]:
+        """Tests to run for a mutant, quickest first within each part.
+
+        Its own killer, the tests of the files whose subject its module is, the other
+        killers, then the rest (in a first run, where no killer is known, the subject's tests
+        are where one is likeliest).
+        """
+        quickest = sorted(self.seconds, key=lambda t: self.seconds[t])
+        own = [first] if first else []
+        near = [t for t in quickest if t.startswith(subjects) and t not in own] if subjects else []
+        killers = sorted(set(self.killers.values()) - {first} - set(near), key=lambda t: self.seconds.get(t, 0.0))
+        rest = [t for t in quickest if t not in {*own, *near, *killers}]
+        return [*own, *near, *subjects, *killers, *rest]  # a file's name ranks its tests not timed yet
 
 
 class Outcome(NamedTuple):
@@ -615,7 +639,8 @@ def _run_mutants(trees: list[Path], chosen: list[Mutant], known: Known) -> dict[
             original = path.read_text()
             path.write_text(original.replace(mutant.old, mutant.new))
             try:
-                outcome = _run_tests(where, known.order(known.killers.get(mutant.name)), list(TESTS), limit)
+                order = known.order(known.killers.get(mutant.name), SUBJECTS.get(mutant.path, ()))
+                outcome = _run_tests(where, order, list(TESTS), limit)
             finally:
                 path.write_text(original)
         finally:
