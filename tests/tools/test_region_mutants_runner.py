@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests._support import mutant_order
 from tests._support.region_mutants import MUTANTS, SUBJECTS, Known
@@ -39,7 +40,7 @@ def test_every_mutated_module_has_its_subject_files_and_they_exist() -> None:
         assert all((ROOT / f).is_file() for f in files), files
 
 
-def _run(tmp_path: Path, order: list[str]) -> tuple[list[str], dict[str, object]]:
+def _run(tmp_path: Path, order: list[str]) -> tuple[list[str], dict[str, Any]]:
     """The plugin in a real pytest on three tests (the second fails); what ran, in order, and the record."""
     ran = tmp_path / "ran.txt"
     (tmp_path / "test_three.py").write_text(
@@ -66,7 +67,7 @@ def test_the_plugin_runs_the_named_tests_first_and_records_the_first_failure(tmp
     ran, record = _run(tmp_path, ["test_three.py::test_third", "test_three.py::test_second"])
     assert ran == ["test_third", "test_second"]  # -x: stopped at the first failure, test_first never ran
     assert record["failed"] == "test_three.py::test_second"
-    assert set(record["seconds"]) == {"test_three.py::test_third", "test_three.py::test_second"}  # type: ignore[arg-type]
+    assert set(record["seconds"]) == {"test_three.py::test_third", "test_three.py::test_second"}
 
 
 def test_the_plugin_ranks_a_test_not_named_where_its_file_is_named(tmp_path: Path) -> None:
