@@ -29,6 +29,7 @@ __all__ = [
     "COMPILING_FLAG",
     "CURRENT_GRAPH_TASK_KEEPS_GRAPH",
     "DYNAMO_ENTERS_SCOPES_MADE_OUTSIDE",
+    "DYNAMO_READS_OBJECT_DICTS",
     "DYNAMO_RESETS_MEDIUM",
     "DYNAMO_TRACES_SCOPES_MADE_INSIDE",
     "ENGINE_RUN_BACKWARD",
@@ -160,6 +161,13 @@ DYNAMO_TRACES_SCOPES_MADE_INSIDE: Final[bool] = _release_at_least(2, 8)
 #: Whether Dynamo enters a context manager made outside the traced region (torch >= 2.14;
 #: older releases refuse it before any of its code runs).
 DYNAMO_ENTERS_SCOPES_MADE_OUTSIDE: Final[bool] = _release_at_least(2, 14)
+
+
+#: Whether Dynamo traces the items of a user-defined object's ``__dict__``, which a region
+#: reads to carry a plain object argument (a config, a dataclass): torch >= 2.13. Checked on
+#: 2.13 and 2.15; 2.4 and 2.8 cannot trace ``obj.__dict__.items()`` (nor ``vars(obj)``); 2.9
+#: to 2.12 are not checked, and refuse such an argument, saying so.
+DYNAMO_READS_OBJECT_DICTS: Final[bool] = _release_at_least(2, 13)
 
 
 #: Whether a region op may declare that it updates a list of its tensor arguments in place

@@ -1,4 +1,4 @@
-"""Objects an in-graph region carries across its op: Hugging Face's key-value caches.
+"""Objects an in-graph region carries across its op: Hugging Face's key-value caches, and plain objects.
 
 A region's op takes tensors and constants only. A cache argument (transformers >= 5:
 ``DynamicCache`` and ``StaticCache`` of ``DynamicLayer``, ``DynamicSlidingWindowLayer`` and
@@ -21,20 +21,34 @@ layer's ``keys``, ``values`` and ``cumulative_length``) are the region's to writ
 (:func:`storage`); a cache that grows (``DynamicCache()`` adds a layer on its first update of
 that layer) grows the caller's cache the same way.
 
-Only the classes of :data:`_STATE` are carried, by name; offloaded caches, quantized caches
-and layers, static sliding-window layers and any other class are refused (:func:`refusal`
-says why). A ``StaticSlidingWindowLayer``'s update branches on its int length (full or not):
-its region's layout is the same both ways while what the node does to the cache (the plan
-a graph's op reads at run time) is not, so a graph kept for one branch would read the
+Of transformers' cache module, only the classes of :data:`_STATE` are carried, by name;
+offloaded caches, quantized caches and layers, static sliding-window layers and any other
+class of it are refused (:func:`refusal` says why). Any other object whose state is its
+``__dict__`` (a config, a dataclass, an object holding tensors: :func:`_why_object` says
+which are not) is carried the same way, its attributes read from its ``__dict__`` (so
+torch >= 2.13, whose Dynamo traces that) and its class named by :func:`_class_key`. Its
+constants are constants of the graph, guarded by Dynamo: a change compiles again. An int
+Dynamo made symbolic (it changed between calls) stays symbolic, as in plain torch; where
+the node then does different things to the object for different values, its region
+refuses the call (``region/eager.py``), since one layout keeps one plan (a float is read
+exactly, through ints, so that it stays a constant: the op takes no symbolic float).
+
+A ``StaticSlidingWindowLayer``'s update branches on its int length (full or not): its
+region's layout is the same both ways while what the node does to the cache (the plan a
+graph's op reads at run time) is not, so a graph kept for one branch would read the
 other's plan. transformers is never imported here (a cache exists only where it was).
 """
 
 from __future__ import annotations
 
+import enum
 import sys
+import types
 from typing import Any, Final
 
 import torch
+
+from fp32scope._compat import DYNAMO_READS_OBJECT_DICTS, TORCH_RELEASE
 
 __all__ = [
     "MARK",
@@ -91,14 +105,29 @@ CARRIED: Final = (
     "StaticLayer layers "
     "(not offloaded, not quantized), and EncoderDecoderCache objects of two of those"
 )
-# A marker's descriptions: a tensor or a constant as itself, anything else a tuple tagged
-# by its first item.
-_OBJECT: Final = "object"  # ("object", class name, (attribute descriptions...))
+#: What a region carries of other objects, as a refusal says it.
+OBJECTS: Final = (
+    "plain objects (a config, a dataclass) whose __dict__ holds tensors, constants, tuples, lists and dicts "
+    "of those, and plain objects (torch >= 2.13)"
+)
+# A marker's descriptions: a tensor, an int or a constant as itself, anything else a tuple
+# tagged by its first item.
+_OBJECT: Final = "object"  # ("object", class key, (attribute names...), (attribute descriptions...))
 _LIST: Final = "list"  # ("list", (item descriptions...))
+_TUPLE: Final = "tuple"  # ("tuple", (item descriptions...))
 _DICT: Final = "dict"  # ("dict", (keys...), (value descriptions...))
 _CLASS: Final = "class"  # ("class", name)
 _UNSET: Final = ("unset",)  # an attribute not set yet
 _PLAIN: Final = (type(None), bool, int, float, str, torch.dtype, torch.device)
+#: Values no object a region carries is: they cross the op as they are, or not at all.
+_NOT_OBJECTS: Final = (torch.Tensor, torch.SymInt, torch.SymFloat, tuple, list, dict, *_PLAIN)
+#: A plain object's class key starts with this; a cache's is its class name.
+_PLAIN_KEY: Final = "object:"
+#: How deep plain objects may nest in a carried one (a cycle would never end).
+_DEPTH: Final = 4
+_INF: Final = float("inf")
+#: Plain objects' classes by key (:func:`_class_key`).
+_CLASSES: dict[str, type] = {}
 
 
 def _known(cls: type) -> bool:
@@ -157,50 +186,136 @@ def _why_value(field: str, value: Any) -> str:  # noqa: PLR0911  (a return per r
 
 
 def can_carry(value: object) -> bool:
-    """Whether a region carries ``value``: a cache of :data:`_CACHES` whose state it carries.
+    """Whether a region carries ``value``: a cache of :data:`_CACHES` whose state it carries, or a plain object.
 
     Dynamo inlines this (class names and attributes it reads as constants, and guards).
     """
     # Tensors, constants and containers first: torch 2.4's Dynamo cannot compare a builtin
     # type's ``__module__``.
-    if isinstance(value, (torch.Tensor, tuple, list, dict, type(None), bool, int, float, str)):
+    if isinstance(value, _NOT_OBJECTS):
         return False
     cls = type(value)
-    if cls.__module__ != _MODULE or cls.__name__ not in _CACHES:
-        return False
-    return not _why(value)
+    if cls.__module__ == _MODULE:
+        return cls.__name__ in _CACHES and not _why(value)
+    return not _why_object(value, 0)
 
 
 def refusal(value: object) -> str:
-    """Why a region does not carry ``value``, a Hugging Face cache, in words; "" for any other object.
+    """Why a region does not carry ``value``, an object, in words; "" for a tensor, constant or container.
 
     Dynamo inlines this where a call cannot be a region (its words are constants of the trace).
     """
-    if isinstance(value, (torch.Tensor, tuple, list, dict, type(None), bool, int, float, str)):
+    if isinstance(value, _NOT_OBJECTS):
         return ""
     cls = type(value)
     if cls.__module__ != _MODULE:
-        return ""
+        found = _why_object(value, 0)
+        return f"this {cls.__name__} {found} (a region carries {OBJECTS})" if found else ""
     if cls.__name__ not in _CACHES:
         return f"{cls.__name__} is not carried ({CARRIED})"
     found = _why(value)
     return f"this {cls.__name__} {found} ({CARRIED})" if found else ""
 
 
-def _describe(value: Any) -> Any:
+def _why_object(value: Any, depth: int) -> str:  # noqa: PLR0911  (a return per reason)
+    """Why a region does not carry ``value``, a plain object, as a predicate; "" where it does.
+
+    Dynamo inlines this (what it reads of the object are constants of the trace, and guards).
+    """
+    if not DYNAMO_READS_OBJECT_DICTS:
+        return f"is an object, which a region carries on torch >= 2.13 only (this is torch {TORCH_RELEASE})"
+    if isinstance(value, torch.nn.Module):
+        return "is a module (make it a submodule of the node, or pass its tensors)"
+    if isinstance(value, (type, enum.Enum, types.ModuleType)) or callable(value):
+        return "is a class, a function, a module or an enum member (a region carries none)"
+    if not hasattr(value, "__dict__"):
+        return "keeps its state outside a __dict__ (__slots__, or a C type)"
+    if isinstance(value, (set, frozenset, bytes, bytearray, complex)):
+        return "subclasses a builtin type"
+    for field, item in value.__dict__.items():
+        found = _why_item(field, item, depth)
+        if found:
+            return found
+    return ""
+
+
+def _why_item(field: str, item: Any, depth: int) -> str:  # noqa: C901, PLR0911  (a return per reason)
+    """Why a region does not carry ``item`` (a plain object's ``field``, or in it), as a predicate; "" where it does."""
+    if isinstance(item, torch.SymFloat):
+        return (
+            f"holds a float in its {field!r} that changed between calls, which torch.compile made symbolic "
+            "(a region carries an object's floats as constants: set torch._dynamo.config.specialize_float = True, "
+            "a graph per value, or hold the value in a tensor)"
+        )
+    if isinstance(item, (torch.Tensor, torch.SymInt, *_PLAIN)):
+        return ""
+    if isinstance(item, (list, tuple)):
+        for part in item:
+            found = _why_item(field, part, depth)
+            if found:
+                return found
+        return ""
+    if isinstance(item, dict):
+        for key, part in item.items():
+            if not isinstance(key, (str, int)):
+                return f"holds a dict with a key that is not a str or an int in its {field!r}"
+            found = _why_item(field, part, depth)
+            if found:
+                return found
+        return ""
+    kind = type(item).__name__
+    if isinstance(item, _NOT_OBJECTS) or type(item).__module__ == _MODULE:
+        return f"holds a {kind} in its {field!r} (pass it as an argument of its own)"
+    if depth >= _DEPTH:
+        return f"nests objects deeper than {_DEPTH} levels (in its {field!r})"
+    found = _why_object(item, depth + 1)
+    return f"holds a {kind} in its {field!r} that {found}" if found else ""
+
+
+def _class_key(cls: type) -> str:
+    """A plain object's class as a marker names it: the same in every process, one class per key in this one.
+
+    Dynamo calls this while it traces (its result a constant) rather than inlining it.
+    """
+    key = f"{_PLAIN_KEY}{cls.__module__}.{cls.__qualname__}"
+    found, n = key, 0
+    while _CLASSES.setdefault(found, cls) is not cls:  # two classes of one name (made by one function twice)
+        n += 1
+        found = f"{key}#{n}"
+    return found
+
+
+# torch._dynamo.assume_constant_result's mark, set without importing Dynamo.
+_class_key._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _describe(value: Any) -> Any:  # noqa: PLR0911  (a return per kind)
     # Dynamo inlines this while it traces the node's call, and guards on the constants.
-    if isinstance(value, (torch.Tensor, *_PLAIN)):
+    # (value == value: not NaN; Dynamo cannot trace math.isnan of a symbolic float)
+    if isinstance(value, float) and value == value and value not in (_INF, -_INF):  # noqa: PLR0124
+        # Its exact value, read through ints: a guard on it (a recompile per value), where
+        # Dynamo would make a float that changed between calls symbolic, which the op cannot take.
+        numerator, denominator = value.as_integer_ratio()
+        return numerator / denominator
+    if isinstance(value, (torch.Tensor, torch.SymInt, *_PLAIN)):
         return value
     if isinstance(value, list):
         return (_LIST, tuple(_describe(item) for item in value))
+    if isinstance(value, tuple):
+        return (_TUPLE, tuple(_describe(item) for item in value))
     if isinstance(value, dict):
-        return (_DICT, tuple(value.keys()), tuple(value.values()))
+        return (_DICT, tuple(value.keys()), tuple(_describe(item) for item in value.values()))
     if isinstance(value, type):
         return (_CLASS, value.__name__)
-    name = type(value).__name__
+    cls = type(value)
+    if cls.__module__ != _MODULE:
+        fields = tuple(value.__dict__)
+        return (_OBJECT, _class_key(cls), fields, tuple(_describe(value.__dict__[f]) for f in fields))
+    name = cls.__name__
     return (
         _OBJECT,
         name,
+        _STATE[name],
         tuple(_describe(getattr(value, field)) if hasattr(value, field) else _UNSET for field in _STATE[name]),
     )
 
@@ -222,15 +337,20 @@ def _tag(description: Any) -> Any:
     return description[0] if isinstance(description, tuple) else None
 
 
+def _is_plain(description: Any) -> bool:
+    # An object description of a plain object (not a cache).
+    return str(description[1]).startswith(_PLAIN_KEY)
+
+
 _STORAGE: Final = ("keys", "values")
 
 
 def storage(marker: tuple[Any, ...]) -> list[bool]:
-    """For each tensor of a marker, in order: whether it is a layer's keys or values.
+    """For each tensor of a marker, in order: whether it is a cache layer's keys or values.
 
     Those are the cache's storage, which transformers' models read only in their attentions:
     a region may update them where they are. Anything else (a static layer's ``cumulative_length``, which a model
-    reads for its mask before its layers run) leaves the op as a new tensor.
+    reads for its mask before its layers run; a plain object's tensors) leaves the op as a new tensor.
     """
     found: list[bool] = []
     _storage(marker[1], "", found)
@@ -242,30 +362,43 @@ def _storage(description: Any, field: str, found: list[bool]) -> None:
     if isinstance(description, torch.Tensor):
         found.append(field in _STORAGE)
     elif _tag(description) == _OBJECT:
-        for name, item in zip(_STATE[description[1]], description[2], strict=True):
-            _storage(item, name, found)
-    elif _tag(description) == _LIST:
+        plain = _is_plain(description)
+        for name, item in zip(description[2], description[3], strict=True):
+            _storage(item, "" if plain else name, found)
+    elif _tag(description) in (_LIST, _TUPLE):
         for item in description[1]:
             _storage(item, field, found)
+    elif _tag(description) == _DICT:
+        for item in description[2]:
+            _storage(item, "", found)
 
 
 def rebuild(marker: tuple[Any, ...]) -> Any:
     """A fresh object of the marker's classes holding its tensors (in the op's kernel, real or fake)."""
-    return _build(sys.modules[_MODULE], marker[1])
+    return _build(sys.modules.get(_MODULE), marker[1])
 
 
-def _build(module: Any, description: Any) -> Any:
+def _build(module: Any, description: Any) -> Any:  # noqa: PLR0911  (a return per kind)
     tag = _tag(description)
     if tag == _OBJECT:
+        if _is_plain(description):
+            built: Any = object.__new__(_CLASSES[description[1]])
+            # (its __dict__ as it was: a frozen dataclass's __setattr__ would refuse)
+            built.__dict__.update(
+                (field, _build(module, item)) for field, item in zip(description[2], description[3], strict=True)
+            )
+            return built
         built = object.__new__(getattr(module, description[1]))
-        for field, item in zip(_STATE[description[1]], description[2], strict=True):
+        for field, item in zip(description[2], description[3], strict=True):
             if _tag(item) != _UNSET[0]:  # an attribute not set yet stays unset
                 setattr(built, field, _build(module, item))
         return built
     if tag == _LIST:
         return [_build(module, item) for item in description[1]]
+    if tag == _TUPLE:
+        return tuple(_build(module, item) for item in description[1])
     if tag == _DICT:
-        return dict(zip(description[1], description[2], strict=True))
+        return dict(zip(description[1], (_build(module, item) for item in description[2]), strict=True))
     if tag == _CLASS:
         return getattr(module, description[1])
     return description
@@ -279,6 +412,7 @@ Change = tuple[
 ]  # (path to the owner, step, is a tensor, the constant or output index)
 _ABSENT: Final = object()
 _DELTA: Final = "delta"  # a changed int written back as the caller's value plus a step: (_DELTA, step)
+_CONSTANT: Final = "constant"  # a changed constant, written back as it is: (_CONSTANT, value)
 
 
 def changes(marker: tuple[Any, ...], obj: Any, first: int) -> tuple[tuple[Change, ...], list[torch.Tensor]]:
@@ -296,13 +430,26 @@ def changes(marker: tuple[Any, ...], obj: Any, first: int) -> tuple[tuple[Change
 def _diff_object(  # noqa: PLR0913, PLR0917  (the walk's state)
     old: Any, obj: Any, path: tuple[Step, ...], found: list[Change], tensors: list[torch.Tensor], first: int
 ) -> None:
+    if old is not None and _is_plain(old):
+        # Its attributes as they were, then any the node added.
+        before = dict(zip(old[2], old[3], strict=True))
+        state = obj.__dict__
+        for field in (*old[2], *(f for f in state if f not in before)):
+            _diff(before.get(field, _UNSET), state.get(field, _ABSENT), path, field, found, tensors, first)
+        return
     name = type(obj).__name__
     if not _known(type(obj)):
         msg = f"A scoped node added a {name} to a Hugging Face cache inside a compiled graph (not carried)."
         raise RuntimeError(msg)
-    before = old[2] if old is not None else (_UNSET,) * len(_STATE[name])
-    for field, was in zip(_STATE[name], before, strict=True):
+    before_items = old[3] if old is not None else (_UNSET,) * len(_STATE[name])
+    for field, was in zip(_STATE[name], before_items, strict=True):
         _diff(was, getattr(obj, field, _ABSENT), path, field, found, tensors, first)
+
+
+def _same_class(old: Any, new: Any) -> bool:
+    if _is_plain(old):
+        return _CLASSES.get(old[1]) is type(new)
+    return bool(type(new).__name__ == old[1])
 
 
 def _diff(  # noqa: PLR0913, PLR0917  (the walk's state)
@@ -319,38 +466,69 @@ def _diff(  # noqa: PLR0913, PLR0917  (the walk's state)
         if new is not old:
             found.append((path, step, True, first + len(tensors)))
             tensors.append(new)
-    elif tag == _OBJECT and type(new).__name__ == old[1]:
+    elif tag == _OBJECT and _same_class(old, new):
         _diff_object(old, new, (*path, step), found, tensors, first)
     elif tag == _LIST and isinstance(new, list):
-        if len(new) < len(old[1]):
-            msg = "A scoped node removed layers from a Hugging Face cache it was given inside a compiled graph."
-            raise RuntimeError(msg)
-        for index, item in enumerate(new):
-            # (an item added: a layer grown, each of its attributes a change)
-            before = old[1][index] if index < len(old[1]) else None
-            _diff_object(before, item, (*path, step, ("index", index)), found, tensors, first)
+        _diff_list(old, new, (*path, step), found, tensors, first)
+    elif tag == _TUPLE and isinstance(new, tuple):
+        if len(new) != len(old[1]) or any(_differs(was, item) for was, item in zip(old[1], new, strict=False)):
+            if not all(isinstance(item, _PLAIN) for item in new):
+                msg = f"A scoped node set {step!r} of an object it was given to a tuple of tensors or objects."
+                raise RuntimeError(msg)
+            found.append((path, step, False, (_CONSTANT, new)))
     elif tag == _DICT and isinstance(new, dict):
-        _diff_dict(old, new, (*path, step), found)
+        _diff_dict(old, new, (*path, step), found, tensors, first)
     elif not (tag == _CLASS and isinstance(new, type) and new.__name__ == old[1]):
         _diff_constant(old, new, path, step, found)
 
 
-def _diff_dict(old: Any, new: dict[Any, Any], path: tuple[Step, ...], found: list[Change]) -> None:
-    entries = dict(zip(old[1], old[2], strict=True))  # (constants only: can_carry refuses any other value)
+def _differs(old: Any, new: Any) -> bool:
+    # Whether a tuple's item is not what the description held (a tensor by identity).
+    if isinstance(new, torch.Tensor) or isinstance(old, torch.Tensor):
+        return new is not old
+    return _tag(old) is not None or type(new) is not type(old) or new != old
+
+
+def _diff_list(  # noqa: PLR0913, PLR0917  (the walk's state)
+    old: Any, new: list[Any], path: tuple[Step, ...], found: list[Change], tensors: list[torch.Tensor], first: int
+) -> None:
+    if len(new) < len(old[1]):
+        msg = "A scoped node removed items from a list of an object it was given inside a compiled graph (not carried)."
+        raise RuntimeError(msg)
+    for index, item in enumerate(new):
+        if index < len(old[1]):
+            _diff(old[1][index], item, path, ("index", index), found, tensors, first)
+        elif _known(type(item)):  # a layer added: a cache grown, each of the layer's attributes a change
+            _diff_object(None, item, (*path, ("index", index)), found, tensors, first)
+        else:
+            msg = "A scoped node added items to a list of an object it was given inside a compiled graph (not carried)."
+            raise RuntimeError(msg)
+
+
+def _diff_dict(  # noqa: PLR0913, PLR0917  (the walk's state)
+    old: Any, new: dict[Any, Any], path: tuple[Step, ...], found: list[Change], tensors: list[torch.Tensor], first: int
+) -> None:
+    entries = dict(zip(old[1], old[2], strict=True))
     if any(key not in new for key in entries):
-        msg = "A scoped node removed entries from a Hugging Face cache's dict inside a compiled graph."
+        msg = (
+            "A scoped node removed entries from a dict of an object it was given inside a compiled graph (not carried)."
+        )
         raise RuntimeError(msg)
     for key, value in new.items():
-        _diff_constant(entries.get(key, _UNSET), value, path, ("item", key), found)
+        _diff(entries.get(key, _UNSET), value, path, ("item", key), found, tensors, first)
 
 
 def _diff_constant(old: Any, new: Any, path: tuple[Step, ...], step: Step, found: list[Change]) -> None:
+    if isinstance(new, (torch.SymBool, torch.SymFloat)):
+        # Computed from an int Dynamo made symbolic: specialise it (a guard), as the
+        # attribute holds a plain value.
+        new = bool(new) if isinstance(new, torch.SymBool) else float(new)
     if new is _ABSENT:
         if _tag(old) != _UNSET[0]:
-            msg = f"A scoped node deleted a Hugging Face cache's {step!r} inside a compiled graph (not carried)."
+            msg = f"A scoped node deleted {step!r} of an object it was given inside a compiled graph (not carried)."
             raise RuntimeError(msg)
     elif not isinstance(new, (torch.SymInt, *_PLAIN)):
-        msg = f"A scoped node set a Hugging Face cache's {step!r} to a {type(new).__name__} inside a compiled graph."
+        msg = f"A scoped node set {step!r} of an object it was given to a {type(new).__name__} (not carried)."
         raise RuntimeError(msg)
     elif type(new) is not type(old) or new != old:
         delta = _delta(old, new)
@@ -362,7 +540,7 @@ def _diff_constant(old: Any, new: Any, path: tuple[Step, ...], step: Step, found
         else:
             # A size the fake run computed symbolically is still a size of this call's
             # tensors: specialise it (a guard), as the attribute holds a plain int.
-            found.append((path, step, False, int(new) if isinstance(new, torch.SymInt) else new))
+            found.append((path, step, False, (_CONSTANT, int(new) if isinstance(new, torch.SymInt) else new)))
 
 
 def _delta(old: Any, new: Any) -> int | None:
@@ -408,10 +586,10 @@ def write_back(obj: Any, found: tuple[Change, ...], tensors: list[torch.Tensor])
         owner = _walk(obj, path, grow=True)
         if is_tensor:
             new = tensors[value]
-        elif isinstance(value, tuple):  # (_DELTA, step)
+        elif value[0] == _DELTA:
             new = _get(owner, step) + value[1]
         else:
-            new = value
+            new = value[1]
         if isinstance(step, str):
             setattr(owner, step, new)
         else:

@@ -55,6 +55,7 @@ TESTS = (
     "tests/compile/test_region_attention.py",
     "tests/compile/test_region_caches.py",
     "tests/compile/test_region_carried.py",
+    "tests/compile/test_region_objects.py",
     "tests/compile/test_eager_nodes.py",
     "tests/compile/test_inner.py",
     "tests/compile/test_region_state.py",
@@ -84,7 +85,7 @@ SUBJECTS: dict[str, tuple[str, ...]] = {
     EAGER: (f"{_C}test_regions.py", f"{_C}test_region_outputs.py", f"{_C}test_region_faults.py"),
     INSIDE: (f"{_C}test_inner.py", f"{_C}test_region_state.py"),
     ENTRY: (f"{_C}test_regions.py", f"{_C}test_region_faults.py"),
-    CARRIERS: (f"{_C}test_region_carried.py", f"{_C}test_region_caches.py"),
+    CARRIERS: (f"{_C}test_region_carried.py", f"{_C}test_region_objects.py", f"{_C}test_region_caches.py"),
     INNER_GRAPHS: (f"{_C}test_inner.py",),
     INNER_ENTRIES: (f"{_C}test_inner.py", f"{_C}test_region_state.py"),
     INNER_TRACING: (f"{_C}test_inner.py",),
@@ -305,8 +306,41 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "an is_updated flag the node sets on an EncoderDecoderCache is not seen",
         CARRIERS,
-        '        _diff_constant(entries.get(key, _UNSET), value, path, ("item", key), found)',
+        '        _diff(entries.get(key, _UNSET), value, path, ("item", key), found, tensors, first)',
         "        pass",
+    ),
+    Mutant(
+        "a plain object's float crosses as Dynamo made it (symbolic once it changed)",
+        CARRIERS,
+        "        return numerator / denominator",
+        "        return value",
+    ),
+    Mutant(
+        "an attribute the node adds to a plain object is not seen",
+        CARRIERS,
+        "        for field in (*old[2], *(f for f in state if f not in before)):",
+        "        for field in old[2]:",
+    ),
+    Mutant(
+        "a plain object is rebuilt through its class's __setattr__",
+        CARRIERS,
+        """            built.__dict__.update(
+                (field, _build(module, item)) for field, item in zip(description[2], description[3], strict=True)
+            )""",
+        """            for field, item in zip(description[2], description[3], strict=True):
+                setattr(built, field, _build(module, item))""",
+    ),
+    Mutant(
+        "a second plan for a layout replaces the first, which its graph still reads",
+        EAGER,
+        "        if known is not None and (known.inplace, known.changes) != (plan.inplace, plan.changes):",
+        "        if False:",
+    ),
+    Mutant(
+        "a plain object's nested object is described as a constant",
+        CARRIERS,
+        "        return (_OBJECT, _class_key(cls), fields, tuple(_describe(value.__dict__[f]) for f in fields))",
+        "        return (_OBJECT, _class_key(cls), fields, tuple(value.__dict__[f] for f in fields))",
     ),
     Mutant(
         "a change is written on the carried object itself, not where its path leads",

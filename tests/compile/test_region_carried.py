@@ -165,7 +165,7 @@ def test_what_a_node_changes_on_an_encoder_decoder_cache_is_found_by_its_path_an
     rebuilt.is_updated[0] = True
     found, tensors = carriers.changes(marker, rebuilt, 0)
     assert ((), "is_updated", False, None) not in found
-    assert (("is_updated",), ("item", 0), False, True) in found
+    assert (("is_updated",), ("item", 0), False, ("constant", True)) in found  # written back as it is
     assert all(path[0] == "cross_attention_cache" for path, *_ in found if path != ("is_updated",))
     carriers.write_back(cache, found, tensors)
     assert cache.is_updated == {0: True}

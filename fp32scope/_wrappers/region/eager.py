@@ -22,7 +22,7 @@ from typing import Any, Final, cast
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp32scope._compat import COMPILER_STATE, COMPILING_FLAG
+from fp32scope._compat import COMPILER_STATE, COMPILING_FLAG, dynamo_refusal
 from fp32scope._errors import Fp32ScopeError
 from fp32scope._flags import dynamo_exclude
 from fp32scope._wrappers import carriers
@@ -313,13 +313,29 @@ def _carried_out(
             for i, v in zip(inplace, versions, strict=True)
             if op.tensors[i]._version != v or op.tensors[i].untyped_storage()._cdata in written
         )
-        region.carried[op.layout] = _CarriedPlan(updated, tuple(found))
+        plan = _CarriedPlan(updated, tuple(found))
+        known = region.carried.get(op.layout)
+        if known is not None and (known.inplace, known.changes) != (plan.inplace, plan.changes):
+            # A graph's op reads its layout's plan at run time: a second plan would be read
+            # by the graph traced with the first.
+            raise dynamo_refusal(Fp32ScopeError, _plan_conflict_message(region.name))
+        region.carried[op.layout] = plan
         return [*rebound, *(op.tensors[i] for i in updated)]
     plan = region.carried[op.layout]
     rebound = [
         t for (_, obj), changes in zip(op.carried, plan.changes, strict=True) for t in carriers.tensors_of(obj, changes)
     ]
     return [*rebound, *(op.tensors[i] for i in plan.inplace)]
+
+
+def _plan_conflict_message(name: str) -> str:
+    return (
+        f"Scoped node {name!r} (an in-graph region) changed the objects it was given differently from an "
+        "earlier call whose arguments had the same layout: it branches on an int that torch.compile made "
+        "symbolic (it changed between calls), and a region keeps one plan of what the node changes per layout. "
+        "Make that int a constant of the graph (torch._dynamo.config.specialize_int = True: a graph per value), "
+        "pass it as a tensor, or wrap the node with in_graph=False."
+    )
 
 
 def _check_leaves(region: Region, saved: _Saved) -> list[bool]:
