@@ -471,22 +471,47 @@ def _diff(  # noqa: PLR0913, PLR0917  (the walk's state)
     elif tag == _LIST and isinstance(new, list):
         _diff_list(old, new, (*path, step), found, tensors, first)
     elif tag == _TUPLE and isinstance(new, tuple):
-        if len(new) != len(old[1]) or any(_differs(was, item) for was, item in zip(old[1], new, strict=False)):
-            if not all(isinstance(item, _PLAIN) for item in new):
-                msg = f"A scoped node set {step!r} of an object it was given to a tuple of tensors or objects."
-                raise RuntimeError(msg)
-            found.append((path, step, False, (_CONSTANT, new)))
+        _diff_tuple(old, new, path, step, found, tensors, first)
     elif tag == _DICT and isinstance(new, dict):
         _diff_dict(old, new, (*path, step), found, tensors, first)
     elif not (tag == _CLASS and isinstance(new, type) and new.__name__ == old[1]):
         _diff_constant(old, new, path, step, found)
 
 
-def _differs(old: Any, new: Any) -> bool:
-    # Whether a tuple's item is not what the description held (a tensor by identity).
-    if isinstance(new, torch.Tensor) or isinstance(old, torch.Tensor):
+def _diff_tuple(  # noqa: PLR0913, PLR0917  (the walk's state)
+    old: Any,
+    new: tuple[Any, ...],
+    path: tuple[Step, ...],
+    step: Step,
+    found: list[Change],
+    tensors: list[torch.Tensor],
+    first: int,
+) -> None:
+    items = old[1]
+    if len(new) == len(items) and not any(_replaced(was, item) for was, item in zip(items, new, strict=True)):
+        # The tuple it was given: what changed is inside its mutable items.
+        for index, (was, item) in enumerate(zip(items, new, strict=True)):
+            if _tag(was) in (_OBJECT, _LIST, _TUPLE, _DICT):
+                _diff(was, item, (*path, step), ("index", index), found, tensors, first)
+    elif all(isinstance(item, _PLAIN) for item in new):  # a tuple of constants bound anew
+        found.append((path, step, False, (_CONSTANT, new)))
+    else:
+        msg = f"A scoped node set {step!r} of an object it was given to a new tuple of tensors or objects."
+        raise RuntimeError(msg)
+
+
+def _replaced(old: Any, new: Any) -> bool:
+    """Whether ``new`` is not the item ``old`` describes (so that its tuple was bound anew)."""
+    if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
         return new is not old
-    return _tag(old) is not None or type(new) is not type(old) or new != old
+    tag = _tag(old)
+    if tag == _OBJECT:
+        return not _same_class(old, new)
+    if tag in (_LIST, _TUPLE, _DICT):
+        return not isinstance(new, {_LIST: list, _TUPLE: tuple, _DICT: dict}[tag])
+    if tag == _CLASS:
+        return not (isinstance(new, type) and new.__name__ == old[1])
+    return type(new) is not type(old) or new != old
 
 
 def _diff_list(  # noqa: PLR0913, PLR0917  (the walk's state)
@@ -564,8 +589,8 @@ def _walk(obj: Any, path: tuple[Step, ...], *, grow: bool = False) -> Any:
         if isinstance(step, str):
             owner, obj = obj, getattr(obj, step)
         else:
-            _, index = step
-            while grow and len(obj) <= index:  # a DynamicCache() grows by a layer on its first update of it
+            kind, index = step  # ("index", i) of a list or tuple, ("item", key) of a dict
+            while grow and kind == "index" and len(obj) <= index:  # a DynamicCache() grows by a layer
                 obj.append(owner.layer_class_to_replicate())
             owner, obj = obj, obj[index]
     return obj
