@@ -2,7 +2,7 @@
 
 Run with ``nox -s bench`` (or ``python benchmarks/bench_decode.py``). The model: a Llama
 built offline from transformers' config with random weights (``--layers`` 4, width 256, 4
-heads, 2 key-value heads), batch 1, a 16-token prompt, its ``forward`` compiled
+heads, 2 key-value heads), batch 1, a ``--prompt`` of 16 tokens, its ``forward`` compiled
 ``fullgraph=True`` with Inductor, one thread. Two variants, each with a ``StaticCache``
 (``--cache-length`` long) and a ``DynamicCache``, without gradients (as ``generate`` runs):
 
@@ -93,7 +93,7 @@ def build(layers: int) -> Any:
 class Variant:
     """One model and cache: its prompt run, a timed run of decode steps, a cut back to the prompt."""
 
-    def __init__(self, model: Any, cache_kind: str, cache_length: int) -> None:
+    def __init__(self, model: Any, cache_kind: str, cache_length: int, prompt: int) -> None:
         transformers = importlib.import_module("transformers")
         self.model = model
         self.static = cache_kind == "static"
@@ -106,7 +106,7 @@ class Variant:
             if self.static
             else transformers.DynamicCache(config=config)
         )
-        self.prompt = torch.randint(0, config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+        self.prompt = torch.randint(0, config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
 
     def step(self, token: torch.Tensor, position: int) -> torch.Tensor:
         logits = self.forward(
@@ -124,7 +124,7 @@ class Variant:
             self.cache.reset()
         else:
             self.cache.crop(0)
-        positions = torch.arange(PROMPT)
+        positions = torch.arange(self.prompt.shape[1])
         logits = self.forward(
             input_ids=self.prompt,
             past_key_values=self.cache,
@@ -140,7 +140,7 @@ class Variant:
             token = self.restart()
             start = time.perf_counter()
             for i in range(steps):
-                token = self.step(token, PROMPT + i)
+                token = self.step(token, self.prompt.shape[1] + i)
             return (time.perf_counter() - start) / steps * 1e6
 
 
@@ -197,19 +197,20 @@ def prepared(
     if hooked:
         for layer in model.model.layers:
             layer.self_attn.register_forward_hook(_no_op_hook)
-    variant = Variant(model, kind, args.cache_length)
+    variant = Variant(model, kind, args.cache_length, args.prompt)
     counters.clear()
     in_place = region.update_caches_in_place
     region.update_caches_in_place = in_place and not copied  # read when a graph is traced
     try:
-        for _ in range(2):  # compile prompt and decode graphs (dynamic: sizes marked dynamic)
+        # Compile the prompt and decode graphs (dynamic: sizes marked dynamic; a 1-token prompt's is the decode one).
+        for _ in range(2):
             variant.decode(args.steps)
     finally:
         region.update_caches_in_place = in_place
     breaks = sum(counters["graph_break"].values())
     with torch.no_grad():
         token = variant.restart()
-        ran = python_forwards(model, lambda: [variant.step(token, PROMPT + i) for i in range(2)])
+        ran = python_forwards(model, lambda: [variant.step(token, args.prompt + i) for i in range(2)])
     eager_attentions = scoped and (kind == "dynamic" or hooked)
     if breaks or ran["model"] + ran["layer"] + ran["mlp"] > 0 or (ran["attention"] > 0) != eager_attentions:
         expected = "but the scoped attentions' (inside their ops)" if eager_attentions else "at all"
@@ -255,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--cache-length", type=int, default=1024)
+    parser.add_argument(
+        "--prompt", type=int, default=PROMPT, help="prompt tokens (1: prompt and decode steps share one graph)"
+    )
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--caches", default="static,dynamic", help="which caches, comma-separated")
@@ -330,7 +334,8 @@ def report(samples: dict[str, list[float]], args: argparse.Namespace) -> None:
     """Print each variant's median step and each scoped one's cost per attention."""
     print(f"torch {torch.__version__}, fp32scope {fp32scope.__version__}, inductor, fullgraph=True, 1 thread")
     print(
-        f"Llama, {args.layers} layers, width 256, batch 1, prompt {PROMPT}, static cache {args.cache_length} long; "
+        f"Llama, {args.layers} layers, width 256, batch 1, prompt {args.prompt}, "
+        f"static cache {args.cache_length} long; "
         f"median of {args.repeats} interleaved rounds of {args.steps} decode steps, us per step"
     )
     for name, values in samples.items():

@@ -10,6 +10,21 @@ import pytest
 from tests._support.common import ROOT
 
 TINY = ("--number", "4", "--repeats", "1")
+#: The decode bench's tiny run: a 1-token prompt, whose graph is the decode steps' (one compile per variant, not two).
+DECODE = (
+    "--layers",
+    "1",
+    "--cache-length",
+    "64",
+    "--prompt",
+    "1",
+    "--steps",
+    "2",
+    "--repeats",
+    "1",
+    "--caches",
+    "static",
+)
 
 
 @pytest.mark.parametrize(
@@ -29,7 +44,7 @@ TINY = ("--number", "4", "--repeats", "1")
         ),
         (
             "bench_decode.py",
-            ("--layers", "1", "--cache-length", "64", "--steps", "2", "--repeats", "1", "--caches", "static"),
+            DECODE,
             "cost per scoped attention",
         ),
     ],
