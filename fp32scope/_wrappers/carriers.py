@@ -1,8 +1,9 @@
 """Objects an in-graph region carries across its op: Hugging Face's key-value caches, and plain objects.
 
 A region's op takes tensors and constants only. A cache argument (transformers >= 5:
-``DynamicCache`` and ``StaticCache`` of ``DynamicLayer``, ``DynamicSlidingWindowLayer`` and
-``StaticLayer`` layers, and ``EncoderDecoderCache`` of two of those) crosses it as a marker tuple describing its state
+``DynamicCache`` and ``StaticCache`` of ``DynamicLayer``, ``DynamicSlidingWindowLayer``,
+``StaticLayer`` and ``StaticSlidingWindowLayer`` layers, and ``EncoderDecoderCache`` of two
+of those) crosses it as a marker tuple describing its state
 (:func:`flatten`, traced by Dynamo): each carried object's attributes, listed per class in
 :data:`_STATE`, walked recursively: tensors, constants, lists of carried objects (a cache's
 layers), dicts of constants (an ``EncoderDecoderCache``'s ``is_updated``), nested carried
@@ -22,8 +23,8 @@ layer's ``keys``, ``values`` and ``cumulative_length``) are the region's to writ
 that layer) grows the caller's cache the same way.
 
 Of transformers' cache module, only the classes of :data:`_STATE` are carried, by name;
-offloaded caches, quantized caches and layers, static sliding-window layers and any other
-class of it are refused (:func:`refusal` says why). Any other object whose state is its
+offloaded caches, quantized caches and layers and any other class of it are refused
+(:func:`refusal` says why). Any other object whose state is its
 ``__dict__`` (a config, a dataclass, an object holding tensors: :func:`_why_object` says
 which are not) is carried the same way, its attributes read from its ``__dict__`` (so
 torch >= 2.13, whose Dynamo traces that) and its class named by :func:`_class_key`. Its
@@ -33,10 +34,10 @@ the node then does different things to the object for different values, its regi
 refuses the call (``region/eager.py``), since one layout keeps one plan (a float is read
 exactly, through ints, so that it stays a constant: the op takes no symbolic float).
 
-A ``StaticSlidingWindowLayer``'s update branches on its int length (full or not): its
-region's layout is the same both ways while what the node does to the cache (the plan a
-graph's op reads at run time) is not, so a graph kept for one branch would read the
-other's plan. transformers is never imported here (a cache exists only where it was).
+A ``StaticSlidingWindowLayer``'s update branches on its int length (filling, filling up,
+full): one layout of its region's arguments, three plans of what the node does to the
+cache, a graph per branch (Dynamo guards the int), each graph's op reading the plan its own
+call's fake run found. transformers is never imported here (a cache exists only where it was).
 """
 
 from __future__ import annotations
@@ -69,6 +70,18 @@ _MODULE: Final = "transformers.cache_utils"
 #: The classes a region carries as an argument: the caches.
 _CACHES: Final = ("DynamicCache", "StaticCache", "EncoderDecoderCache")
 _CACHE_STATE: Final = ("layers", "layer_class_to_replicate", "offloading")
+_STATIC_STATE: Final = (
+    "keys",
+    "values",
+    "cumulative_length",
+    "is_initialized",
+    "device",
+    "max_cache_len",
+    "batch_size",
+    "num_heads",
+    "k_head_dim",
+    "v_head_dim",
+)
 #: Per carried class, the attributes its methods read or set (update, lazy initialisation,
 #: lengths), in the order a marker holds them.
 _STATE: Final = {
@@ -86,23 +99,16 @@ _STATE: Final = {
         "_sliding_window_tensor",
         "record_past",
     ),
-    "StaticLayer": (
-        "keys",
-        "values",
-        "cumulative_length",
-        "is_initialized",
-        "device",
-        "max_cache_len",
-        "batch_size",
-        "num_heads",
-        "k_head_dim",
-        "v_head_dim",
-    ),
+    "StaticLayer": _STATIC_STATE,
+    # Its update branches on its int length (filling, filling up, full): a graph per branch,
+    # each op reading its own call's plan (``Region.plans``).
+    "StaticSlidingWindowLayer": (*_STATIC_STATE, "cumulative_length_int", "_is_croppable"),
 }
+#: The cache layers a region carries, as a refusal names them.
+LAYERS: Final = "DynamicLayer, DynamicSlidingWindowLayer, StaticLayer and StaticSlidingWindowLayer"
 #: What a region carries, as a refusal says it.
 CARRIED: Final = (
-    "a region carries DynamicCache and StaticCache objects of DynamicLayer, DynamicSlidingWindowLayer and "
-    "StaticLayer layers "
+    f"a region carries DynamicCache and StaticCache objects of {LAYERS} layers "
     "(not offloaded, not quantized), and EncoderDecoderCache objects of two of those"
 )
 #: What a region carries of other objects, as a refusal says it.

@@ -192,8 +192,26 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "two calls of one region share a number (merged by CSE)",
         ENTRY,
-        "        numbers = [\n            next(_sites),\n",
+        "        numbers = [\n            site,\n",
         "        numbers = [\n            0,\n",
+    ),
+    Mutant(
+        "a graph's op reads the last plan traced, not its own call's",
+        EAGER,
+        "    plan = region.plans[op.site]\n    rebound = [",
+        "    plan = region.plans[max(region.plans)]\n    rebound = [",
+    ),
+    Mutant(
+        "a carried object's in-place tensors are found by the last plan traced",
+        EAGER,
+        "else where.tensors if fake else op.region.plans[op.site].inplace",
+        "else where.tensors if fake else op.region.plans[max(op.region.plans)].inplace",
+    ),
+    Mutant(
+        "one call traced twice may change its objects differently",
+        EAGER,
+        "        if known is not None and known.key != plan.key:",
+        "        if False:",
     ),
     Mutant(
         "inputs the outputs never reach get zeros, not None",

@@ -13,8 +13,10 @@ A ``DynamicSlidingWindowLayer`` (Mistral's, Gemma's) is carried too: its Python-
 ``cumulative_length`` changes every decode step, and comes back as the node's step added to
 the caller's value, so the parent recompiles no more often than plain ``torch.compile`` of
 the unscoped model (written back as a constant it was a recompile per step, past Dynamo's
-limit). What a region still refuses (offloaded caches, quantized layers, static
-sliding-window layers, also inside an ``EncoderDecoderCache``) raises Fp32ScopeError under ``fullgraph=True`` naming the
+limit). A ``StaticSlidingWindowLayer`` too: its update branches on its Python-int length
+(filling, filling up, full), a graph per branch, each reading its own plan. What a region
+still refuses (offloaded caches, quantized layers, indexed layers, also inside an
+``EncoderDecoderCache``) raises Fp32ScopeError under ``fullgraph=True`` naming the
 argument and the reason, and never names a carried class as refused.
 """
 
@@ -199,12 +201,12 @@ def _refused(kind: str) -> Any:
             cache = transformers.DynamicCache()
             cache.offloading = True  # what an offloaded cache holds, and all the region reads of it
             return cache
-    sliding = transformers.StaticCache(max_cache_len=8, config=_config(transformers))
-    sliding.layers = [cache_utils.StaticSlidingWindowLayer(max_cache_len=8, sliding_window=4)]
+    indexed = transformers.StaticCache(max_cache_len=8, config=_config(transformers))
+    indexed.layers = [cache_utils.StaticIndexedLayer(max_cache_len=8)]
     quantized = transformers.DynamicCache()
     quantized.layers.append(cache_utils.Fp8QuantizedLayer())
-    if kind == "sliding inside":
-        return transformers.EncoderDecoderCache(sliding, transformers.DynamicCache())
+    if kind == "indexed inside":
+        return transformers.EncoderDecoderCache(indexed, transformers.DynamicCache())
     if kind == "quantized inside":
         return transformers.EncoderDecoderCache(transformers.DynamicCache(), quantized)
     return quantized
@@ -216,11 +218,8 @@ def _refused(kind: str) -> Any:
         ("offloaded", "this DynamicCache offloads its layers"),
         ("quantized", "this DynamicCache holds Fp8QuantizedLayer layers"),
         (
-            "sliding inside",
-            (
-                "this EncoderDecoderCache has a self_attention_cache (StaticCache) that holds "
-                "StaticSlidingWindowLayer layers"
-            ),
+            "indexed inside",
+            "this EncoderDecoderCache has a self_attention_cache (StaticCache) that holds StaticIndexedLayer layers",
         ),
         (
             "quantized inside",
@@ -275,58 +274,75 @@ class SlidingDecoder(torch.nn.Module):
         return out
 
 
-def _sliding_cache() -> Any:
+#: The static sliding layer's window: longer than the prefill, so that its update takes each
+#: of its three branches (filling, filling up past the window, full) in one decode.
+STATIC_WINDOW = 6
+
+
+def _sliding_cache(kind: str) -> Any:
     transformers = _transformers()
-    cache = transformers.DynamicCache()
-    cache.layers.append(transformers.cache_utils.DynamicSlidingWindowLayer(sliding_window=WINDOW))
+    if kind == "dynamic":
+        cache = transformers.DynamicCache()
+        cache.layers.append(transformers.cache_utils.DynamicSlidingWindowLayer(sliding_window=WINDOW))
+        return cache
+    cache = transformers.StaticCache(max_cache_len=16, config=_config(transformers))
+    cache.layers = [transformers.cache_utils.StaticSlidingWindowLayer(max_cache_len=16, sliding_window=STATIC_WINDOW)]
     return cache
 
 
-def _decode(model: Callable[..., torch.Tensor], cache: Any, steps: int) -> list[torch.Tensor]:
-    """A prefill of 4 tokens (more than the window), then ``steps`` one-token steps: each step's output."""
+#: Per layer kind, the tokens of each call: a prefill of 4, then (static) one token twice
+#: (filling), two (past the window: the cat branch), then one at a time (full: the roll).
+LENGTHS = {"dynamic": (4,), "static": (4, 1, 1, 2)}
+
+
+def _decode(model: Callable[..., torch.Tensor], cache: Any, lengths: tuple[int, ...]) -> list[torch.Tensor]:
+    """Each call's output, a call per length."""
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        return [model(torch.randn(2, HEADS, length, DIM, generator=generator), cache) for length in (4, *(1,) * steps)]
+        return [model(torch.randn(2, HEADS, length, DIM, generator=generator), cache) for length in lengths]
 
 
 def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def test_a_sliding_window_cache_crosses_a_region_recompiling_no_more_than_plain_torch() -> None:
-    # Its cumulative_length, a Python int, changes every step: written back as a constant,
-    # it would be a guard the next step fails (a recompile per token). Written back as the
-    # caller's value plus the node's step, it stays symbolic once Dynamo has made it dynamic.
-    steps = 8
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_sliding_window_cache_crosses_a_region_recompiling_no_more_than_plain_torch(kind: str) -> None:
+    # Its length, a Python int, changes every step: written back as a constant, it would be
+    # a guard the next step fails (a recompile per token). Written back as the caller's value
+    # plus the node's step, it stays symbolic once Dynamo has made it dynamic. A static
+    # layer's update branches on it: a graph per branch, each op reading its own plan.
+    lengths = (*LENGTHS[kind], *(1,) * 8)
     torch.manual_seed(0)
     bare = SlidingDecoder(SlidingAttends())
     model: Any = copy.deepcopy(bare)
     model.node = Fp32ScopedModule(model.node, FULL)
     twin: Any = copy.deepcopy(bare)
     twin.node = Fp32ScopedModule(twin.node, FULL, in_graph=False)
-    plain_cache = _sliding_cache()
-    plain = _decode(torch.compile(bare, fullgraph=True), plain_cache, steps)
+    plain_cache = _sliding_cache(kind)
+    plain = _decode(torch.compile(bare, fullgraph=True), plain_cache, lengths)
     plain_graphs = _graphs()
     torch._dynamo.reset()
     counters.clear()
-    cache, twin_cache = _sliding_cache(), _sliding_cache()
-    got = _decode(torch.compile(model, fullgraph=True), cache, steps)
-    want = _decode(twin, twin_cache, steps)
+    cache, twin_cache = _sliding_cache(kind), _sliding_cache(kind)
+    got = _decode(torch.compile(model, fullgraph=True), cache, lengths)
+    want = _decode(twin, twin_cache, lengths)
     for step, (mine, theirs, bare_out) in enumerate(zip(got, want, plain, strict=True)):
         torch.testing.assert_close(mine, theirs, msg=f"output, step {step}")
         torch.testing.assert_close(mine, bare_out, msg=f"output against plain torch, step {step}")
     layer, twin_layer = cache.layers[0], twin_cache.layers[0]
-    assert layer.cumulative_length == twin_layer.cumulative_length == 4 + steps
-    assert type(layer.cumulative_length) is int
+    length = "cumulative_length" if kind == "dynamic" else "cumulative_length_int"
+    assert getattr(layer, length) == getattr(twin_layer, length) == sum(lengths)
+    assert type(getattr(layer, length)) is int
     torch.testing.assert_close(layer.keys, twin_layer.keys)
     torch.testing.assert_close(layer.values, twin_layer.values)
-    assert layer.keys.shape[-2] == WINDOW - 1
+    assert layer.keys.shape[-2] == (WINDOW - 1 if kind == "dynamic" else STATIC_WINDOW)
     assert sum(counters["graph_break"].values()) == 0
     assert 0 < _graphs() <= plain_graphs, f"scoped: {_graphs()} graphs, plain torch: {plain_graphs}"
 
 
 def test_a_count_the_node_moves_comes_back_as_a_step_from_the_callers_value() -> None:
-    cache = _sliding_cache()
+    cache = _sliding_cache("dynamic")
     cache.update(torch.randn(1, HEADS, 5, DIM), torch.randn(1, HEADS, 5, DIM), 0)
     marker = carriers.flatten(cache)
     rebuilt = carriers.rebuild(marker)

@@ -27,7 +27,7 @@ from fp32scope import Fp32ScopedModule, Fp32ScopeError, current_fp32_precision, 
 from fp32scope._compat import DYNAMO_READS_OBJECT_DICTS
 from tests._support import probe as _probe
 from tests._support.common import DEFAULT, FULL
-from tests._support.compiled import forbid_recompiles, python_frames
+from tests._support.compiled import forbid_recompiles, parent_graphs, python_frames
 from tests._support.hf import gpt2_unavailable
 from tests._support.probe import phases, probe
 
@@ -286,7 +286,8 @@ class Branches(torch.nn.Module):
     def forward(self, x: torch.Tensor, cfg: Any) -> torch.Tensor:
         if cfg.n > 4:
             cfg.extra = x * 3
-        return x * 2
+        out: torch.Tensor = probe(x * 2, "node")
+        return out
 
 
 class Counted:
@@ -294,22 +295,62 @@ class Counted:
         self.n = n
 
 
-@carried_here
-@pytest.mark.parametrize("specialize", [False, True], ids=["symbolic-int", "specialize_int"])
-def test_a_node_branching_on_a_symbolic_int_of_its_object_is_refused_not_wrong(*, specialize: bool) -> None:
-    node = Fp32ScopedModule(Branches(), FULL, in_graph=True)
-    compiled = torch.compile(lambda x, cfg: node(x, cfg) + 1, fullgraph=True, backend="aot_eager")
-    x = torch.ones(WIDTH)
-    with torch._dynamo.config.patch(specialize_int=specialize), torch.no_grad():
-        for n in (3, 4, 5, 4, 6):
+def _branching_run(node: Any, backend: str) -> list[Any]:
+    # Calls over values of n that make it symbolic (it changes) and cross the branch both ways.
+    compiled = torch.compile(lambda x, cfg: node(x, cfg) + 1, fullgraph=True, backend=backend)
+    x = torch.linspace(-1, 1, WIDTH)
+    runs = []
+    with torch.no_grad():
+        for n in (3, 4, 5, 4, 6, 2):
             cfg = Counted(n)
-            if not specialize and n == 5:  # the int went symbolic at 4; 5 takes the other branch
-                with pytest.raises(Fp32ScopeError, match="changed the objects it was given differently"):
-                    compiled(x, cfg)
-                return
-            compiled(x, cfg)
-            assert (getattr(cfg, "extra", None) is not None) == (n > 4), n  # a graph per value: each right
-    assert specialize
+            runs.append((compiled(x, cfg), getattr(cfg, "extra", None)))
+    return runs
+
+
+@carried_here
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_node_branching_on_a_symbolic_int_of_its_object_changes_it_as_plain_torch_does(backend: str) -> None:
+    # Each graph's op reads the plan its own call's fake run found, not the last one traced:
+    # the same layout (n symbolic) changes the object one way below 5 and another above.
+    set_process_default(DEFAULT)
+    node = Fp32ScopedModule(Branches(), FULL, in_graph=True)
+    got = _branching_run(node, backend)
+    assert phases("fwd")["node"] == [FULL] * 6
+    graphs = parent_graphs()
+    counters.clear()
+    plain = _branching_run(Branches(), backend)
+    assert graphs == counters["stats"]["unique_graphs"] == 3  # no more graphs than plain torch
+    assert [extra is not None for _, extra in got] == [False, False, True, False, True, False]
+    for (out, extra), (want, want_extra) in zip(got, plain, strict=True):
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        if want_extra is not None:
+            torch.testing.assert_close(extra, want_extra, rtol=0, atol=0)
+
+
+class Toggles(torch.nn.Module):
+    """Changes its object on every other run of its forward: each trace of one call differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor, cfg: Any) -> torch.Tensor:
+        self.runs += 1
+        if self.runs % 2:
+            cfg.extra = x * 3
+        return x * 2
+
+
+@carried_here
+def test_a_node_changing_its_object_differently_when_one_call_is_traced_again_is_refused() -> None:
+    # Dynamo's fake run and AOTAutograd's of one call disagree: the graph would write back
+    # what the first found while the op hands back what the second did.
+    node = Fp32ScopedModule(Toggles(), FULL, in_graph=True)
+    compiled = torch.compile(lambda x, cfg: node(x, cfg) + 1, fullgraph=True, backend="aot_eager")
+    with torch.no_grad(), pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+        compiled(torch.ones(WIDTH), Counted(1))
+    assert isinstance(raised.value.inner_exception, Fp32ScopeError)
+    assert "changed the objects it was given differently when one call of it was traced twice" in str(raised.value)
 
 
 class Slotted:

@@ -22,7 +22,7 @@ from typing import Any, Final, cast
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fp32scope._compat import COMPILER_STATE, COMPILING_FLAG, dynamo_refusal
+from fp32scope._compat import COMPILER_STATE, COMPILING_FLAG
 from fp32scope._errors import Fp32ScopeError
 from fp32scope._flags import dynamo_exclude
 from fp32scope._wrappers import carriers
@@ -55,7 +55,9 @@ class _Op:
     """One call of a region op.
 
     ``spec`` is [site, layout, n_tensors, n_params, n_autocast, n_ints, backend, autocast..., ints...,
-    mutated...]; ``backend`` numbers the parent's backend that compiles the node in the op (0: none).
+    mutated...]; ``site`` numbers the traced call (its carried objects' plan is the region's
+    plan of that number); ``backend`` numbers the parent's backend that compiles the node in
+    the op (0: none).
     """
 
     __slots__ = (
@@ -68,11 +70,13 @@ class _Op:
         "mutated",
         "params",
         "region",
+        "site",
         "tensors",
     )
 
     def __init__(self, key: int, spec: list[int], values: list[torch.Tensor]) -> None:
         self.region = _regions[key]
+        self.site = spec[0]
         self.layout, n_tensors, n_params, n_autocast, n_ints, self.backend = spec[1:7]
         self.autocast = spec[7 : 7 + n_autocast]
         self.ints = spec[7 + n_autocast : 7 + n_autocast + n_ints]
@@ -283,7 +287,7 @@ def _copy_carried(op: _Op, *, fake: bool, copy: bool) -> tuple[int, ...]:
     transformers' models read only in their attentions (``inner.build``'s ``in_place``).
     """
     where = op.region.carried_args.get(op.layout)
-    inplace = () if where is None else where.tensors if fake else op.region.carried[op.layout].inplace
+    inplace = () if where is None else where.tensors if fake else op.region.plans[op.site].inplace
     if inplace and copy:
         op.tensors = list(op.tensors)
         for i in inplace:
@@ -296,7 +300,7 @@ def _carried_out(
 ) -> list[torch.Tensor]:
     """The carried objects' tensors leaving the op: those newly bound, then those updated in place.
 
-    The fake run finds which they are (a layout's plan); a real run reads them by the plan.
+    The fake run finds which they are (the traced call's plan); a real run reads them by the plan.
     """
     if not op.carried:
         return []
@@ -314,14 +318,15 @@ def _carried_out(
             if op.tensors[i]._version != v or op.tensors[i].untyped_storage()._cdata in written
         )
         plan = _CarriedPlan(updated, tuple(found))
-        known = region.carried.get(op.layout)
-        if known is not None and (known.inplace, known.changes) != (plan.inplace, plan.changes):
-            # A graph's op reads its layout's plan at run time: a second plan would be read
-            # by the graph traced with the first.
-            raise dynamo_refusal(Fp32ScopeError, _plan_conflict_message(region.name))
-        region.carried[op.layout] = plan
+        known = region.plans.get(op.site)
+        if known is not None and known.key != plan.key:
+            # One traced call traced again (Dynamo's run, then AOTAutograd's) must hand back
+            # the same tensors. (Its other changes may read otherwise, a step where the first
+            # read a constant its guards since fixed: Dynamo's graph writes back the first's.)
+            raise Fp32ScopeError(_plan_conflict_message(region.name))  # (AOTAutograd's: the backend's error wraps it)
+        region.plans[op.site] = plan
         return [*rebound, *(op.tensors[i] for i in updated)]
-    plan = region.carried[op.layout]
+    plan = region.plans[op.site]
     rebound = [
         t for (_, obj), changes in zip(op.carried, plan.changes, strict=True) for t in carriers.tensors_of(obj, changes)
     ]
@@ -330,11 +335,10 @@ def _carried_out(
 
 def _plan_conflict_message(name: str) -> str:
     return (
-        f"Scoped node {name!r} (an in-graph region) changed the objects it was given differently from an "
-        "earlier call whose arguments had the same layout: it branches on an int that torch.compile made "
-        "symbolic (it changed between calls), and a region keeps one plan of what the node changes per layout. "
-        "Make that int a constant of the graph (torch._dynamo.config.specialize_int = True: a graph per value), "
-        "pass it as a tensor, or wrap the node with in_graph=False."
+        f"Scoped node {name!r} (an in-graph region) changed the objects it was given differently when one "
+        "call of it was traced twice (by Dynamo, then by AOTAutograd): its forward decides what to change "
+        "from Python state that changes while it is traced (a counter of its own, a global). Decide from its "
+        "arguments or attributes that stay as they are, or wrap the node with in_graph=False."
     )
 
 
@@ -456,7 +460,7 @@ class _RegionFunction(torch.autograd.Function):
         with torch._C._AutoDispatchBelowADInplaceOrView():
             out = torch.ops.fp32scope.region_train(key, spec, grad_mask, list(values))
         n_updates = len(region.mutated[region.training_layout()]) if op.mutated == [_UNKNOWN] else len(op.mutated)
-        plan = region.carried.get(op.layout)
+        plan = region.plans.get(op.site)
         n_updates += 0 if plan is None else plan.n_outputs
         n_out = len(out) - 1 - n_updates
         token = out[-1]

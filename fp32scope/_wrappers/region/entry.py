@@ -38,8 +38,11 @@ from fp32scope._wrappers.region.regions import _CONSTANTS, _TAG, Recipe, Region,
 _sites = itertools.count(1)
 
 
-def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) -> Any:
-    """A scoped node's call as a compiled graph holds it: arguments, then parameters and buffers."""
+def region_call(tag: str, site: int, n_args: int, kw_names: tuple[str, ...], *values: Any) -> Any:
+    """A scoped node's call as a compiled graph holds it: arguments, then parameters and buffers.
+
+    ``site`` numbers the traced call (a constant of the graph, from :func:`_new_site`).
+    """
     key = int(tag.removeprefix(_TAG))
     region = _regions[key]
     if is_exporting():
@@ -60,10 +63,10 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in itertools.chain(tensors, params))
     entry = None
     # A call carrying a cache is compiled inside once the eager region's run on fake tensors
-    # (Dynamo's, before this one) has found what the node does to the cache, and only
-    # without a gradient (as generate runs).
-    plan = region.carried.get(layout) if layout in region.carried_args else None
+    # (Dynamo's, before this one, of the same site) has found what the node does to the
+    # cache, and only without a gradient (as generate runs).
     carries = layout in region.carried_args
+    plan = region.plans.get(site) if carries else None
     if (
         region.compiled
         and known == ()
@@ -71,7 +74,8 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
         and (not carries or (plan is not None and not grad))
         and inner.wants_inductor()
     ):
-        entry = _inner_entry(region, layout, autocast, [*tensors, *params, *buffers], len(tensors), grad=grad)
+        values_in = [*tensors, *params, *buffers]
+        entry = _inner_entry(region, layout, plan, autocast, values_in, n_tensors=len(tensors), grad=grad)
     written = () if plan is None else plan.inplace  # the carried tensors to write back
     if entry is not None:
         out = inner.apply(entry, next(_sites), [*tensors, *params, *buffers], grad=grad)
@@ -85,10 +89,10 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
         # about as much as a small kernel, on every call), laid out as _Op reads it. The first
         # is this call's own number: two calls of one region on the same inputs are two ops,
         # which AOTAutograd's common-subexpression pass would otherwise merge into one (one
-        # kept graph for two backwards).
+        # kept graph for two backwards); and the op's kernel reads the plan of that number.
         backend = _backend(region)
         numbers = [
-            next(_sites),
+            site,
             layout,
             len(tensors),
             n_params,
@@ -101,7 +105,7 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
         ]
         out = op(key, numbers, [*tensors, *params, *buffers])
         found = region.mutated[region.training_layout()]
-        plan = region.carried.get(layout) if layout in region.carried_args else None
+        plan = region.plans.get(site) if carries else None
     n_carried = 0 if plan is None else plan.n_rebound + len(written)
     n_out = len(out) - len(found) - n_carried
     for i, update in zip(found, out[n_out : n_out + len(found)], strict=True):
@@ -114,7 +118,6 @@ def region_call(tag: str, n_args: int, kw_names: tuple[str, ...], *values: Any) 
     carried = out[len(out) - n_carried :]
     for i, update in zip(written, carried[plan.n_rebound :], strict=True):
         tensors[i].copy_(update)
-    region.last_changes = plan.changes
     return result, list(carried[: plan.n_rebound])
 
 
@@ -204,10 +207,17 @@ dynamo_exclude.rename_where_no_reason(
 )
 
 
-def _carried_changes(tag: str) -> tuple[tuple[carriers.Change, ...], ...]:
+def _new_site() -> int:
+    # The number of a call Dynamo traces: a constant of its graph, by which the op's kernel
+    # finds what its fake run found the node changes on its carried objects (that call's
+    # plan: another graph of the same node may have another).
+    return next(_sites)
+
+
+def _carried_changes(tag: str, site: int) -> tuple[tuple[carriers.Change, ...], ...]:
     # What the node changed on its carried objects, as the fake run of the call Dynamo just
     # traced found it: constants of the graph, read by traced_region after region_call.
-    return _regions[int(tag.removeprefix(_TAG))].last_changes
+    return _regions[int(tag.removeprefix(_TAG))].plans[site].changes
 
 
 def _out_recipe(tag: str) -> Recipe | None:
@@ -219,6 +229,7 @@ def _out_recipe(tag: str) -> Recipe | None:
 # torch._dynamo.assume_constant_result's mark, set without importing Dynamo (a second):
 # Dynamo calls the function while it traces and keeps its result as a constant.
 _carried_changes._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_new_site._dynamo_marked_constant = True  # type: ignore[attr-defined]
 _refuse_in_one_graph._dynamo_marked_constant = True  # type: ignore[attr-defined]
 _out_recipe._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
@@ -244,10 +255,11 @@ def traced_region(region: Region, args: tuple[Any, ...], kwargs: dict[str, Any])
         buffers = tuple(module.buffers())
     else:
         params = buffers = ()
-    result = region_call(region.tag, len(args), tuple(kwargs), *values, *params, *buffers)
+    site = _new_site()
+    result = region_call(region.tag, site, len(args), tuple(kwargs), *values, *params, *buffers)
     if carried:
         out, rebound = result
-        for obj, changes in zip(objects, _carried_changes(region.tag), strict=True):
+        for obj, changes in zip(objects, _carried_changes(region.tag, site), strict=True):
             carriers.write_back(obj, changes, rebound)
     else:
         out = result
@@ -271,6 +283,7 @@ _TRACED: Final = frozenset(
         "_uncarried",
         "_type_name",
         "_carried_changes",
+        "_new_site",
         "_out_recipe",
         "_refuse_in_one_graph",
     }

@@ -41,17 +41,26 @@ def _has_hooks(module: object) -> bool:
 
 
 def _inner_entry(  # noqa: PLR0913  (a traced call's state, kept together)
-    region: Region, layout: int, autocast: list[int], values: list[torch.Tensor], n_tensors: int, *, grad: bool
+    region: Region,
+    layout: int,
+    plan: _CarriedPlan | None,
+    autocast: list[int],
+    values: list[torch.Tensor],
+    *,
+    n_tensors: int,
+    grad: bool,
 ) -> inner.Entry | None:
-    """The node's compiled graphs for this call's layout, or None where it runs eagerly in its op.
+    """The node's compiled graphs for this call's layout and plan, or None where it runs eagerly in its op.
 
-    ``values`` are the op's inputs: the call's ``n_tensors`` tensors, the node's parameters, its buffers.
+    ``values`` are the op's inputs: the call's ``n_tensors`` tensors, the node's parameters,
+    its buffers; ``plan``, what the call does to its carried objects (None: it carries none).
     """
     if not all(inner.is_static(t) for t in values):  # dynamic shapes: its graphs are traced for fixed sizes
         return None
     grad_mask = sum(1 << i for i, t in enumerate(values) if grad and t.requires_grad)
     key = (
         layout,
+        None if plan is None else plan.key,
         grad_mask,
         tuple(autocast),
         region.training_layout(),
@@ -66,7 +75,6 @@ def _inner_entry(  # noqa: PLR0913  (a traced call's state, kept together)
     if not _has_hooks(region.module):
         n_params, n_buffers = region.counts()
         p_slots, b_slots = region.slots(n_params, n_buffers)
-        plan = region.carried.get(layout) if layout in region.carried_args else None
 
         def node(*flat: torch.Tensor) -> list[torch.Tensor]:
             objects: list[tuple[Any, Any]] = []

@@ -133,7 +133,7 @@ def _carried_args(values: tuple[Any, ...]) -> _CarriedArgs:
 
 
 class _CarriedPlan:
-    """What a node does to the objects it carries, per layout, as its fake run found.
+    """What a node does to the objects it carries, per traced call, as its fake run found.
 
     ``inplace``: the op's tensors it updates in place (run on copies, which leave the op and
     are written back with ``copy_``); ``changes``: per carried object, its changed attributes
@@ -146,6 +146,11 @@ class _CarriedPlan:
         self.inplace = inplace
         self.changes = changes
         self.n_rebound = sum(1 for found in changes for change in found if change[2])
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What tells two plans apart for the op: the tensors it hands back (its ints and constants are Dynamo's)."""
+        return (self.inplace, tuple(tuple(change for change in found if change[2]) for found in self.changes))
 
     @property
     def n_outputs(self) -> int:
@@ -207,10 +212,12 @@ class Region:
         self.warned_break = False
         # Per traced call (its number): which inputs needing a gradient the outputs reach.
         self.reached: dict[int, list[bool]] = {}
-        # Per layout with carried objects (caches): where they are, and what the node does to them.
+        # Per layout with carried objects (caches): where they are; and what the node does to
+        # them, per traced call (its site number), as that call's fake run found: one layout
+        # may have several plans where the node branches on an int made symbolic (a static
+        # sliding layer's length), each graph's op reading its own.
         self.carried_args: dict[int, _CarriedArgs] = {}
-        self.carried: dict[int, _CarriedPlan] = {}
-        self.last_changes: tuple[tuple[carriers.Change, ...], ...] = ()
+        self.plans: dict[int, _CarriedPlan] = {}
         # How traced_region rebuilds the last traced call's structured output (see boundary._recipe).
         self.last_recipe: Recipe | None = None
         # Per structured output layout: the output's (spec, leaves) last traced, and its
