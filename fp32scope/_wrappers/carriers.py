@@ -22,9 +22,10 @@ layer's ``keys``, ``values`` and ``cumulative_length``) are the region's to writ
 (:func:`storage`); a cache that grows (``DynamicCache()`` adds a layer on its first update of
 that layer) grows the caller's cache the same way.
 
-Of transformers' cache module, only the classes of :data:`_STATE` are carried, by name;
-offloaded caches, quantized caches and layers and any other class of it are refused
-(:func:`refusal` says why). Any other object whose state is its
+Of transformers' cache module, the classes of :data:`_STATE` are carried, by name, and on
+torch >= 2.13 any other layer class but the quantized ones, by its ``__dict__`` as a plain
+object is (:func:`_generic_layer`); offloaded caches, quantized caches and layers and any
+other class of it are refused (:func:`refusal` says why). Any other object whose state is its
 ``__dict__`` (a config, a dataclass, an object holding tensors: :func:`_why_object` says
 which are not) is carried the same way, its attributes read from its ``__dict__`` (so
 torch >= 2.13, whose Dynamo traces that) and its class named by :func:`_class_key`. Its
@@ -109,7 +110,8 @@ LAYERS: Final = "DynamicLayer, DynamicSlidingWindowLayer, StaticLayer and Static
 #: What a region carries, as a refusal says it.
 CARRIED: Final = (
     f"a region carries DynamicCache and StaticCache objects of {LAYERS} layers "
-    "(not offloaded, not quantized), and EncoderDecoderCache objects of two of those"
+    "(not offloaded, not quantized; on torch >= 2.13 of any other layer class of transformers' cache module too), "
+    "and EncoderDecoderCache objects of two of those"
 )
 #: What a region carries of other objects, as a refusal says it.
 OBJECTS: Final = (
@@ -138,6 +140,23 @@ _CLASSES: dict[str, type] = {}
 
 def _known(cls: type) -> bool:
     return cls.__module__ == _MODULE and cls.__name__ in _STATE
+
+
+def _generic_layer(cls: type) -> bool:
+    """Whether ``cls`` is a layer of transformers' cache module carried by its ``__dict__``, as a plain object is.
+
+    Any layer class but those of :data:`_STATE` (named there, for torch before 2.13) and
+    the quantized ones (their state is a quantization library's): an indexed layer, a
+    linear-attention layer, a hybrid of those, and next release's. Dynamo inlines this.
+    """
+    name = cls.__name__
+    return (
+        DYNAMO_READS_OBJECT_DICTS
+        and cls.__module__ == _MODULE
+        and name.endswith("Layer")
+        and name not in _STATE
+        and "Quantized" not in name
+    )
 
 
 def is_cache_class(cls: type) -> bool:
@@ -173,12 +192,9 @@ def _why_value(field: str, value: Any) -> str:  # noqa: PLR0911  (a return per r
         return ""
     if isinstance(value, list):
         for item in value:
-            kind = type(item).__name__
-            if not _known(type(item)):
-                return f"holds {kind} layers" if field == "layers" else f"holds {kind} objects in its {field}"
-            found = _why(item)
+            found = _why_listed(field, item)
             if found:
-                return f"holds a {kind} that {found}"
+                return found
         return ""
     if isinstance(value, dict):
         for item in value.values():
@@ -189,6 +205,18 @@ def _why_value(field: str, value: Any) -> str:  # noqa: PLR0911  (a return per r
         found = _why(value)
         return f"has a {field} ({type(value).__name__}) that {found}" if found else ""
     return f"holds a {type(value).__name__} in its {field}"
+
+
+def _why_listed(field: str, item: Any) -> str:
+    """Why a region does not carry ``item`` of a carried object's list ``field`` (a cache's layers); "" if it does."""
+    kind = type(item).__name__
+    if _generic_layer(type(item)):
+        found = _why_object(item, 1)
+    elif _known(type(item)):
+        found = _why(item)
+    else:
+        return f"holds {kind} layers" if field == "layers" else f"holds {kind} objects in its {field}"
+    return f"holds a {kind} that {found}" if found else ""
 
 
 def can_carry(value: object) -> bool:
@@ -314,7 +342,7 @@ def _describe(value: Any) -> Any:  # noqa: PLR0911  (a return per kind)
     if isinstance(value, type):
         return (_CLASS, value.__name__)
     cls = type(value)
-    if cls.__module__ != _MODULE:
+    if cls.__module__ != _MODULE or _generic_layer(cls):
         fields = tuple(value.__dict__)
         return (_OBJECT, _class_key(cls), fields, tuple(_describe(value.__dict__[f]) for f in fields))
     name = cls.__name__

@@ -208,6 +208,12 @@ MUTANTS: tuple[Mutant, ...] = (
         "else where.tensors if fake else op.region.plans[max(op.region.plans)].inplace",
     ),
     Mutant(
+        "quantized cache layers are carried by their __dict__",
+        CARRIERS,
+        '        and "Quantized" not in name\n',
+        "        and True\n",
+    ),
+    Mutant(
         "one call traced twice may change its objects differently",
         EAGER,
         "        if known is not None and known.key != plan.key:",

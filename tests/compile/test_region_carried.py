@@ -14,8 +14,11 @@ A ``DynamicSlidingWindowLayer`` (Mistral's, Gemma's) is carried too: its Python-
 the caller's value, so the parent recompiles no more often than plain ``torch.compile`` of
 the unscoped model (written back as a constant it was a recompile per step, past Dynamo's
 limit). A ``StaticSlidingWindowLayer`` too: its update branches on its Python-int length
-(filling, filling up, full), a graph per branch, each reading its own plan. What a region
-still refuses (offloaded caches, quantized layers, indexed layers, also inside an
+(filling, filling up, full), a graph per branch, each reading its own plan. Any other
+layer class of transformers' cache module but the quantized ones (an indexed layer, a
+linear-attention layer) is carried by its ``__dict__`` on torch >= 2.13, as a plain object
+is, and refused before, saying so. What a region
+still refuses (offloaded caches, quantized layers, also inside an
 ``EncoderDecoderCache``) raises Fp32ScopeError under ``fullgraph=True`` naming the
 argument and the reason, and never names a carried class as refused.
 """
@@ -31,10 +34,12 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from fp32scope import Fp32ScopedModule, Fp32ScopeError
+from fp32scope import Fp32ScopedModule, Fp32ScopeError, set_process_default
+from fp32scope._compat import DYNAMO_READS_OBJECT_DICTS
 from fp32scope._wrappers import carriers
-from tests._support.common import FULL
+from tests._support.common import DEFAULT, FULL
 from tests._support.hf import gpt2_unavailable
+from tests._support.probe import phases, probe
 
 pytestmark = [pytest.mark.compile, pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -201,12 +206,10 @@ def _refused(kind: str) -> Any:
             cache = transformers.DynamicCache()
             cache.offloading = True  # what an offloaded cache holds, and all the region reads of it
             return cache
-    indexed = transformers.StaticCache(max_cache_len=8, config=_config(transformers))
-    indexed.layers = [cache_utils.StaticIndexedLayer(max_cache_len=8)]
     quantized = transformers.DynamicCache()
     quantized.layers.append(cache_utils.Fp8QuantizedLayer())
-    if kind == "indexed inside":
-        return transformers.EncoderDecoderCache(indexed, transformers.DynamicCache())
+    if kind == "quantized self":
+        return transformers.EncoderDecoderCache(quantized, transformers.DynamicCache())
     if kind == "quantized inside":
         return transformers.EncoderDecoderCache(transformers.DynamicCache(), quantized)
     return quantized
@@ -218,8 +221,8 @@ def _refused(kind: str) -> Any:
         ("offloaded", "this DynamicCache offloads its layers"),
         ("quantized", "this DynamicCache holds Fp8QuantizedLayer layers"),
         (
-            "indexed inside",
-            "this EncoderDecoderCache has a self_attention_cache (StaticCache) that holds StaticIndexedLayer layers",
+            "quantized self",
+            "this EncoderDecoderCache has a self_attention_cache (DynamicCache) that holds Fp8QuantizedLayer layers",
         ),
         (
             "quantized inside",
@@ -351,3 +354,95 @@ def test_a_count_the_node_moves_comes_back_as_a_step_from_the_callers_value() ->
     assert (("layers", ("index", 0)), "cumulative_length", False, ("delta", 2)) in found
     carriers.write_back(cache, found, tensors)
     assert cache.layers[0].cumulative_length == 7
+
+
+class Mixes(torch.nn.Module):
+    """A linear-attention mixer over its cache layer (Qwen3-Next's, Mamba's): a conv state and a recurrent state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, cache: Any) -> torch.Tensor:
+        layer = cache.layers[0]
+        conv = layer.update_conv_state(self.proj(x).transpose(1, 2), 0, conv_kernel_size=3)
+        state = torch.tanh(conv[..., -1:] * torch.ones(1, DIM, DIM))
+        recurrent = layer.update_recurrent_state(state, 0)
+        out: torch.Tensor = x + recurrent.sum(-1).unsqueeze(1) + conv.mean(-1).unsqueeze(1)
+        return probe(out, "node")
+
+
+class Indexes(torch.nn.Module):
+    """A sparse attention's indexer over its cache layer (DeepSeek V3.2's, GLM's): keys, values and indexer keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor, cache: Any) -> torch.Tensor:
+        layer = cache.layers[0]
+        keys, values = layer.update(self.k(x), x)
+        indexer = layer.update_indexer(x[:, 0])
+        out: torch.Tensor = torch.softmax(x @ keys.transpose(-1, -2), -1) @ values + indexer.sum(1, keepdim=True)
+        return probe(out, "node")
+
+
+def _layered(kind: str) -> Any:
+    transformers = _transformers()
+    cache = transformers.DynamicCache()
+    layer = (
+        transformers.cache_utils.LinearAttentionLayer()
+        if kind == "linear attention"
+        else transformers.cache_utils.DynamicIndexedLayer()
+    )
+    cache.layers = [layer]
+    cache.layer_class_to_replicate = None  # (as a cache built from a hybrid model's config holds it)
+    return cache
+
+
+def _layered_inputs(kind: str, length: int, generator: torch.Generator) -> torch.Tensor:
+    shape = (2, length, DIM) if kind == "linear attention" else (2, HEADS, length, DIM)
+    return torch.randn(shape, generator=generator)
+
+
+@pytest.mark.parametrize("kind", ["linear attention", "indexed"])
+def test_any_other_cache_layer_crosses_a_region_by_its_state_on_torch_2_13_and_is_refused_before(kind: str) -> None:
+    # No class of its own in fp32scope: the layer's __dict__ walked as a plain object's
+    # is, its class rebuilt by name, what the node changed (dict entries, tensors bound
+    # anew, in-place updates, constants) written back on the caller's layer.
+    torch.manual_seed(0)
+    set_process_default(DEFAULT)
+    bare = Mixes() if kind == "linear attention" else Indexes()
+    node = Fp32ScopedModule(copy.deepcopy(bare), FULL)
+    twin = Fp32ScopedModule(copy.deepcopy(bare), FULL, in_graph=False)
+    compiled = torch.compile(lambda x, cache: node(x, cache=cache) * 1, fullgraph=True)
+    cache, twin_cache = _layered(kind), _layered(kind)
+    generator = torch.Generator().manual_seed(1)
+    if not DYNAMO_READS_OBJECT_DICTS:
+        name = type(cache.layers[0]).__name__
+        with pytest.raises(Fp32ScopeError, match=f"this DynamicCache holds {name} layers .*on torch >= 2.13"):
+            compiled(_layered_inputs(kind, 4, generator), cache)
+        return
+    with torch.no_grad():
+        for step, length in enumerate((4, 1, 1, 1)):
+            x = _layered_inputs(kind, length, generator)
+            torch.testing.assert_close(compiled(x, cache), twin(x, cache=twin_cache), msg=f"output, step {step}")
+    layer, twin_layer = cache.layers[0], twin_cache.layers[0]
+    assert type(layer) is type(twin_layer)
+    for name, value in vars(twin_layer).items():
+        mine = getattr(layer, name)
+        if isinstance(value, dict):
+            assert mine.keys() == value.keys(), name
+            for key in value:
+                _assert_same(mine[key], value[key], f"{name}[{key}]")
+        else:
+            _assert_same(mine, value, name)
+    assert phases("fwd")["node"] == [FULL] * 8  # each compiled call and its twin
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def _assert_same(mine: Any, theirs: Any, what: str) -> None:
+    if isinstance(theirs, torch.Tensor):
+        torch.testing.assert_close(mine, theirs, msg=what)
+    else:
+        assert mine == theirs, what
