@@ -1,10 +1,19 @@
-"""Each script in examples/ runs as a user would run it, exits 0 and prints what it shows."""
+"""Each script in examples/ runs, exits 0 (or returns from its ``main()``) and prints what it shows.
+
+A script whose point needs a fresh interpreter runs as a user would run it, in one: worker
+processes (multiprocess_workers.py), pytest in subprocesses (pytest_plugin_suite.py). The
+others' ``main()`` runs in this process, Dynamo reset around it, after a check that running
+the file calls that ``main()``: a fresh interpreter for each would check nothing more, and
+costs its start, its imports (transformers and diffusers take 8 s each) and its first
+compile's warm-up, 10 to 16 s of each such test. (aoti_package.py still loads its package
+in a fresh interpreter of its own: that is its point.)
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from tests._support.examples import EXAMPLES, run_example
+from tests._support.examples import EXAMPLES, run_example, run_example_main
 from tests._support.hf import gpt2_unavailable
 
 
@@ -22,8 +31,9 @@ def test_every_example_is_tested() -> None:
 
 
 @pytest.mark.compile
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_training_loop() -> None:
-    out = run_example("training_loop.py")
+    out, _ = run_example_main("training_loop.py")
     router = "Fp32Precision(matmul='highest', cudnn_allow_tf32=False)"
     assert out.count(f"  router forward:  {router}") == 3
     assert out.count(f"  router backward: {router}") == 3
@@ -32,15 +42,17 @@ def test_training_loop() -> None:
 
 
 @pytest.mark.compile
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_compiled_nodes() -> None:
-    out = run_example("compiled_nodes.py")
+    out, _ = run_example_main("compiled_nodes.py")
     assert "inside head    Fp32Precision(matmul='highest', cudnn_allow_tf32=False)" in out
     assert "inside decode  Fp32Precision(matmul='medium', cudnn_allow_tf32=True)" in out
     assert "the process default is back after every call: Fp32Precision(matmul='high', cudnn_allow_tf32=True)" in out
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_cuda_graph_capture() -> None:
-    out = run_example("cuda_graph_capture.py")
+    out, _ = run_example_main("cuda_graph_capture.py")
     if "No CUDA device" in out:
         assert "capture_cuda_graph on this machine: RuntimeError: capture_cuda_graph needs a CUDA device" in out
         assert "calling the proxy gives 'graph replayed', run in Fp32Precision(matmul='highest'" in out
@@ -50,8 +62,9 @@ def test_cuda_graph_capture() -> None:
         assert "make_graphed_callables: graphed is the proxy: True" in out
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_engine_threads() -> None:
-    out = run_example("engine_threads.py")
+    out, _ = run_example_main("engine_threads.py")
     assert "plan thread reads:              Fp32Precision(matmul='highest', cudnn_allow_tf32=False)" in out
     assert "plan thread got Fp32ScopeError: Cannot enter an fp32_precision_scope on thread 'plan'" in out
     assert "while thread 'forward'" in out
@@ -78,8 +91,9 @@ def _aoti_missing() -> str | None:
 
 @pytest.mark.compile
 @pytest.mark.skipif(_aoti_missing() is not None, reason=f"{_aoti_missing()}: the example compiles a package")
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_aoti_package() -> None:
-    out = run_example("aoti_package.py")
+    out, _ = run_example_main("aoti_package.py")
     assert "exporting the scoped node: torch.export cannot export a scoped call" in out
     assert "'fp32scope.matmul': 'highest'" in out
     assert "loading process default: Fp32Precision(matmul='medium', cudnn_allow_tf32=True)" in out
@@ -89,8 +103,9 @@ def test_aoti_package() -> None:
     assert "after the calls the default is back: Fp32Precision(matmul='medium', cudnn_allow_tf32=True)" in out
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_amp_training() -> None:
-    out = run_example("amp_training.py")
+    out, _ = run_example_main("amp_training.py")
     router = "Fp32ScopedModule(precision=Fp32Precision(matmul='highest', cudnn_allow_tf32=False), name='Router'"
     assert f"router wrapper: {router}, backward=True, autocast=False," in out
     assert out.count("router weights torch.float32") == 10
@@ -98,8 +113,9 @@ def test_amp_training() -> None:
     assert "the loss went down" in out
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_advise_moe() -> None:
-    out = run_example("advise_moe.py")
+    out, _ = run_example_main("advise_moe.py")
     assert "policy: {'router': {'matmul': 'highest', 'cudnn_allow_tf32': False}}" in out
     assert "met (" in out
     assert "traced: router forward Fp32Precision(matmul='highest', cudnn_allow_tf32=False)" in out
@@ -118,11 +134,12 @@ def _diffusers_imports() -> str | None:
 
 
 @pytest.mark.compile
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_flux_fullgraph() -> None:
     reason = _diffusers_imports()
     if reason is not None:
         pytest.skip(reason)
-    out = run_example("flux_fullgraph.py")
+    out, _ = run_example_main("flux_fullgraph.py")
     full = "time_text_embed ran with Fp32Precision(matmul='highest', cudnn_allow_tf32=True)"
     assert out.count(full) == 3  # two compiled calls and the eager one
     assert "ran with Fp32Precision(matmul='high'," not in out
@@ -131,11 +148,12 @@ def test_flux_fullgraph() -> None:
 
 
 @pytest.mark.compile
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_llama_attention_fullgraph() -> None:
     reason = gpt2_unavailable()  # transformers' models run on this torch (>= 2.6 for transformers 5)
     if reason is not None:
         pytest.skip(reason)
-    out = run_example("llama_attention_fullgraph.py")
+    out, _ = run_example_main("llama_attention_fullgraph.py")
     full = "ran with Fp32Precision(matmul='highest', cudnn_allow_tf32=True)"
     for layer in (0, 1):  # the compiled step and the eager one
         assert out.count(f"layer {layer} attention {full}") == 2
