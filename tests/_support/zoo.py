@@ -38,8 +38,8 @@ _Module = TypeVar("_Module", bound=torch.nn.Module)
 
 #: Tokens in a prompt: longer than the sliding windows below (4), so that a window slides.
 PROMPT = 6
-#: Tokens ``generate`` adds to a prompt.
-NEW_TOKENS = 4
+#: Tokens ``generate`` adds to a prompt: ten, over which its graphs are counted against plain torch's.
+NEW_TOKENS = 10
 #: The sliding window of Mistral and Gemma 3: shorter than the prompt.
 WINDOW = 4
 VOCAB = 64

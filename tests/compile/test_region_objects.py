@@ -327,6 +327,49 @@ def test_a_node_branching_on_a_symbolic_int_of_its_object_changes_it_as_plain_to
             torch.testing.assert_close(extra, want_extra, rtol=0, atol=0)
 
 
+class Bumps(torch.nn.Module):
+    """Updates its object's tensor in place on one branch of an int of it only."""
+
+    def forward(self, x: torch.Tensor, cfg: Any) -> torch.Tensor:
+        if cfg.n > 4:
+            cfg.t.add_(1)
+        return x * 2
+
+
+class HoldsCount:
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.t = torch.zeros(WIDTH)
+
+
+def _bumping_run(node: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def parent(x: torch.Tensor, cfg: Any) -> torch.Tensor:
+        before = cfg.t * 2  # read before the call: Inductor may compute it after an op it sees as pure
+        return node(x, cfg) + before
+
+    compiled = torch.compile(parent, fullgraph=True)
+    x = torch.ones(WIDTH)
+    runs = []
+    with torch.no_grad():
+        # The branch that updates in place traced last but one: each graph must copy what its
+        # own branch updates, not what the last branch traced does.
+        for n in (5, 6, 3, 6, 7):
+            cfg = HoldsCount(n)
+            runs.append((compiled(x, cfg), cfg.t))
+    return runs
+
+
+@carried_here
+def test_a_tensor_updated_in_place_on_one_branch_is_updated_on_a_copy_in_that_branchs_graph() -> None:
+    got = _bumping_run(Fp32ScopedModule(Bumps(), FULL, in_graph=True))
+    torch._dynamo.reset()
+    want = _bumping_run(Bumps())
+    for (out, t), (plain_out, plain_t) in zip(got, want, strict=True):
+        torch.testing.assert_close(out, plain_out, rtol=0, atol=0)
+        torch.testing.assert_close(t, plain_t, rtol=0, atol=0)
+    assert [float(t[0]) for _, t in got] == [1.0, 1.0, 0.0, 1.0, 1.0]
+
+
 class Toggles(torch.nn.Module):
     """Changes its object on every other run of its forward: each trace of one call differs."""
 
