@@ -31,9 +31,10 @@ which are not) is carried the same way, its attributes read from its ``__dict__`
 torch >= 2.13, whose Dynamo traces that) and its class named by :func:`_class_key`. Its
 constants are constants of the graph, guarded by Dynamo: a change compiles again. An int
 Dynamo made symbolic (it changed between calls) stays symbolic, as in plain torch; where
-the node then does different things to the object for different values, its region
-refuses the call (``region/eager.py``), since one layout keeps one plan (a float is read
-exactly, through ints, so that it stays a constant: the op takes no symbolic float).
+the node then does different things to the object for different values, Dynamo guards
+the int and keeps a graph per branch, each op reading the plan of its own traced call
+(``region/eager.py``). A float is read exactly, through ints, so that it stays a constant:
+the op takes no symbolic float.
 
 A ``StaticSlidingWindowLayer``'s update branches on its int length (filling, filling up,
 full): one layout of its region's arguments, three plans of what the node does to the
@@ -107,11 +108,12 @@ _STATE: Final = {
 }
 #: The cache layers a region carries, as a refusal names them.
 LAYERS: Final = "DynamicLayer, DynamicSlidingWindowLayer, StaticLayer and StaticSlidingWindowLayer"
+#: The other cache layers a region carries (:func:`_generic_layer`), as a refusal names them.
+OTHER_LAYERS: Final = "on torch >= 2.13 of any other layer class of transformers' cache module too"
 #: What a region carries, as a refusal says it.
 CARRIED: Final = (
     f"a region carries DynamicCache and StaticCache objects of {LAYERS} layers "
-    "(not offloaded, not quantized; on torch >= 2.13 of any other layer class of transformers' cache module too), "
-    "and EncoderDecoderCache objects of two of those"
+    f"(not offloaded, not quantized; {OTHER_LAYERS}), and EncoderDecoderCache objects of two of those"
 )
 #: What a region carries of other objects, as a refusal says it.
 OBJECTS: Final = (

@@ -344,8 +344,9 @@ class HoldsCount:
 
 def _bumping_run(node: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     def parent(x: torch.Tensor, cfg: Any) -> torch.Tensor:
-        before = cfg.t * 2  # read before the call: Inductor may compute it after an op it sees as pure
-        return node(x, cfg) + before
+        before: torch.Tensor = cfg.t * 2  # read before the call: Inductor may compute it after an op it sees as pure
+        out: torch.Tensor = node(x, cfg) + before
+        return out
 
     compiled = torch.compile(parent, fullgraph=True)
     x = torch.ones(WIDTH)

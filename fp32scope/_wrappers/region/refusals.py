@@ -99,8 +99,8 @@ def _refuse_distributed_tensors(name: str, values: tuple[Any, ...]) -> None:
 #: What a region carries, as the refusals say it.
 CARRIED: Final = (
     "tensors, ints and constants (None, bool, int, float, str, torch.dtype, torch.device), also in tuples, "
-    f"lists and dicts, Hugging Face DynamicCache and StaticCache objects of {carriers.LAYERS} layers, "
-    f"and EncoderDecoderCache objects of two of those, and {carriers.OBJECTS}"
+    f"lists and dicts, Hugging Face DynamicCache and StaticCache objects of {carriers.LAYERS} layers "
+    f"({carriers.OTHER_LAYERS}), and EncoderDecoderCache objects of two of those, and {carriers.OBJECTS}"
 )
 
 
@@ -135,8 +135,8 @@ def uncarried_message(
 _BREAK_REASON: Final = (
     "fp32scope: an in-graph region (in_graph=True, or an eager=True node) was called with an argument it cannot "
     "carry (a region takes tensors, ints and constants, also in tuples, lists and dicts, and Hugging Face "
-    f"DynamicCache, StaticCache and EncoderDecoderCache objects of {carriers.LAYERS} layers, and "
-    f"{carriers.OBJECTS}). That call is a graph break "
+    f"DynamicCache, StaticCache and EncoderDecoderCache objects of {carriers.LAYERS} layers "
+    f"({carriers.OTHER_LAYERS}), and {carriers.OBJECTS}). That call is a graph break "
     "instead, the node run in its scope. Pass the object's tensors as arguments, or scope a module inside the node "
     "that takes only tensors"
 )
